@@ -1,0 +1,263 @@
+"""Hugging Face GLM-4.5 checkpoints -> the weights one tensor-parallel rank holds.
+
+Framework-free. Maps checkpoint names onto the model's parameter names (docs/design.md),
+stacks q/k/v and gate/up, slices each tensor to this rank while reading (so a rank's peak
+memory stays near its shard), and is strict: a missing, unexpected or misshaped tensor, or
+a missing or truncated shard, is a UserError naming the tensor and file.
+
+Both expert layouts seen in the wild are accepted: the original per-expert names
+(``mlp.experts.{e}.{gate,up,down}_proj.weight``) and transformers-5 fused experts
+(``mlp.experts.gate_up_proj [E, 2I, H]`` with gate rows first, ``mlp.experts.down_proj [E, H, I]``).
+The MTP block at layer index ``num_hidden_layers`` is skipped (used only for speculative decoding).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from glm_fused.config import Glm4MoeConfig
+from glm_fused.errors import UserError
+from glm_fused.safetensors_io import SafetensorsFile
+from glm_fused.sharding import TPShard
+
+logger = logging.getLogger("glm_fused.checkpoint")
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class Checkpoint:
+    """The tensors of a checkpoint directory: single file or sharded index, headers checked."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        index_path = self.dir / INDEX_FILE
+        if index_path.exists():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+                raise UserError(f"{index_path}: not a valid safetensors index (no weight_map)") from None
+            shard_names = sorted(set(weight_map.values()))
+        elif (self.dir / SINGLE_FILE).exists():
+            weight_map, shard_names = None, [SINGLE_FILE]
+        else:
+            if list(self.dir.glob("*.bin")) or list(self.dir.glob("*.pt")):
+                raise UserError(f"{self.dir}: only pickle weights (*.bin/*.pt) found; convert the "
+                                f"checkpoint to safetensors (pickles are never loaded)")
+            raise UserError(f"{self.dir}: no {SINGLE_FILE} or {INDEX_FILE}")
+        self.files: dict[str, SafetensorsFile] = {}
+        for shard in shard_names:
+            path = self.dir / shard
+            if not path.exists():
+                first = next(n for n, f in weight_map.items() if f == shard)
+                raise UserError(f"{path}: shard listed in {INDEX_FILE} is missing (holds {first!r})")
+            self.files[shard] = SafetensorsFile(path)
+        self.location: dict[str, str] = {}
+        for shard, f in self.files.items():
+            for name in f.keys():
+                self.location[name] = shard
+        if weight_map is not None:
+            for name, shard in weight_map.items():
+                if self.location.get(name) != shard:
+                    raise UserError(f"{self.dir / shard}: tensor {name!r} is listed in {INDEX_FILE} "
+                                    f"but not stored in that shard")
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.location)
+
+    def file_of(self, name: str) -> Path:
+        return self.dir / self.location[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.files[self.location[name]].shape(name)
+
+    def read(self, name: str, index: tuple | None = None) -> np.ndarray:
+        return self.files[self.location[name]].read(name, index)
+
+
+# ---- the load plan -------------------------------------------------------------------
+
+@dataclass
+class _Read:
+    name: str       # checkpoint tensor
+    index: tuple    # numpy index of this rank's part
+
+
+@dataclass
+class _Param:
+    shape: tuple[int, ...]                 # on this rank
+    kind: str                              # weight | bias | norm | router
+    parts: list[_Read] = field(default_factory=list)
+    axis: int = 0                          # parts are concatenated along this axis
+    stack: bool = False                    # parts are stacked on a new axis 0 (experts)
+
+
+def _rows(a: int, b: int) -> tuple:
+    return (slice(a, b),)
+
+
+def _cols(a: int, b: int) -> tuple:
+    return (slice(None), slice(a, b))
+
+
+def _plan(config: Glm4MoeConfig, shard: TPShard, names: set[str]) -> tuple[dict[str, _Param], dict[str, tuple]]:
+    """Parameter plan for this rank, and the full shape every checkpoint tensor must have."""
+    c, s = config, shard
+    H, D, V = c.hidden_size, c.head_dim, c.vocab_size
+    params: dict[str, _Param] = {}
+    full: dict[str, tuple] = {}
+
+    def read(name: str, shape: tuple, index: tuple) -> _Read:
+        full[name] = shape
+        return _Read(name, index)
+
+    q0, q1 = s.q_heads()
+    k0, k1 = s.kv_heads()
+    v0, v1 = s.vocab()
+    params["embed_tokens.weight"] = _Param((s.vocab_size, H), "weight",
+                                           [read("model.embed_tokens.weight", (V, H), _rows(v0, v1))])
+    for i in range(c.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            params[f"{dst}{norm}.weight"] = _Param((H,), "norm", [read(f"{src}{norm}.weight", (H,), ())])
+        nq, nkv = s.num_heads, s.num_kv_heads
+        qkv_rows = (nq + 2 * nkv) * D
+        attn = f"{src}self_attn."
+        params[f"{dst}self_attn.qkv_proj.weight"] = _Param((qkv_rows, H), "weight", [
+            read(f"{attn}q_proj.weight", (c.num_attention_heads * D, H), _rows(q0 * D, q1 * D)),
+            read(f"{attn}k_proj.weight", (c.num_key_value_heads * D, H), _rows(k0 * D, k1 * D)),
+            read(f"{attn}v_proj.weight", (c.num_key_value_heads * D, H), _rows(k0 * D, k1 * D)),
+        ])
+        if c.attention_bias:
+            params[f"{dst}self_attn.qkv_proj.bias"] = _Param((qkv_rows,), "bias", [
+                read(f"{attn}q_proj.bias", (c.num_attention_heads * D,), _rows(q0 * D, q1 * D)),
+                read(f"{attn}k_proj.bias", (c.num_key_value_heads * D,), _rows(k0 * D, k1 * D)),
+                read(f"{attn}v_proj.bias", (c.num_key_value_heads * D,), _rows(k0 * D, k1 * D)),
+            ])
+        params[f"{dst}self_attn.o_proj.weight"] = _Param((H, nq * D), "weight", [
+            read(f"{attn}o_proj.weight", (H, c.num_attention_heads * D), _cols(q0 * D, q1 * D))])
+        if c.use_qk_norm:
+            for qk in ("q_norm", "k_norm"):
+                params[f"{dst}self_attn.{qk}.weight"] = _Param((D,), "norm", [read(f"{attn}{qk}.weight", (D,), ())])
+
+        mlp = f"{src}mlp."
+        if not c.is_moe_layer(i):
+            _swiglu(params, read, f"{dst}mlp.", mlp, H, c.intermediate_size, s.intermediate(), s.intermediate_size)
+            continue
+        E = c.n_routed_experts
+        I = c.moe_intermediate_size
+        a, b = s.moe_intermediate()
+        e0, e1 = s.experts()
+        params[f"{dst}mlp.gate.weight"] = _Param((E, H), "router", [read(f"{mlp}gate.weight", (E, H), ())])
+        params[f"{dst}mlp.gate.e_score_correction_bias"] = _Param(
+            (E,), "router", [read(f"{mlp}gate.e_score_correction_bias", (E,), ())])
+        local_i = s.moe_intermediate_size
+        if f"{mlp}experts.gate_up_proj" in names:  # transformers-5 fused experts
+            gate_up = read(f"{mlp}experts.gate_up_proj", (E, 2 * I, H), ())
+            params[f"{dst}mlp.experts.gate_up_proj"] = _Param((e1 - e0, 2 * local_i, H), "weight", [
+                _Read(gate_up.name, (slice(e0, e1), slice(a, b))),
+                _Read(gate_up.name, (slice(e0, e1), slice(I + a, I + b)))], axis=1)
+            params[f"{dst}mlp.experts.down_proj"] = _Param((e1 - e0, H, local_i), "weight", [
+                read(f"{mlp}experts.down_proj", (E, H, I), (slice(e0, e1), slice(None), slice(a, b)))])
+        else:
+            gate_up, down = [], []
+            for e in range(e0, e1):
+                ex = f"{mlp}experts.{e}."
+                gate_up.append([read(f"{ex}gate_proj.weight", (I, H), _rows(a, b)),
+                                read(f"{ex}up_proj.weight", (I, H), _rows(a, b))])
+                down.append(read(f"{ex}down_proj.weight", (H, I), _cols(a, b)))
+            params[f"{dst}mlp.experts.gate_up_proj"] = _Param((e1 - e0, 2 * local_i, H), "weight",
+                                                              [r for pair in gate_up for r in pair], stack=True)
+            params[f"{dst}mlp.experts.down_proj"] = _Param((e1 - e0, H, local_i), "weight", down, stack=True)
+        _swiglu(params, read, f"{dst}mlp.shared_experts.", f"{mlp}shared_experts.", H,
+                c.shared_intermediate_size, s.shared_intermediate(), s.shared_intermediate_size)
+
+    params["norm.weight"] = _Param((H,), "norm", [read("model.norm.weight", (H,), ())])
+    params["lm_head.weight"] = _Param((s.vocab_size, H), "weight", [read("lm_head.weight", (V, H), _rows(v0, v1))])
+    return params, full
+
+
+def _swiglu(params, read, dst: str, src: str, H: int, inter: int, rng: tuple[int, int], local: int) -> None:
+    a, b = rng
+    params[f"{dst}gate_up_proj.weight"] = _Param((2 * local, H), "weight", [
+        read(f"{src}gate_proj.weight", (inter, H), _rows(a, b)),
+        read(f"{src}up_proj.weight", (inter, H), _rows(a, b))])
+    params[f"{dst}down_proj.weight"] = _Param((H, local), "weight", [
+        read(f"{src}down_proj.weight", (H, inter), _cols(a, b))])
+
+
+def expected_shapes(config: Glm4MoeConfig, shard: TPShard) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every parameter of this rank: ``name -> (shape, kind)``; kind is weight|bias|norm|router.
+
+    Uses the per-expert layout; both layouts give the same parameters.
+    """
+    params, _ = _plan(config, shard, names=set())
+    return {name: (p.shape, p.kind) for name, p in params.items()}
+
+
+def _is_mtp(name: str, config: Glm4MoeConfig) -> bool:
+    m = _LAYER_RE.match(name)
+    return bool(m) and int(m.group(1)) >= config.num_hidden_layers
+
+
+def validate(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard) -> dict[str, _Param]:
+    """Check names and shapes against the config before any tensor is read."""
+    params, full = _plan(config, shard, ckpt.names)
+    missing = [n for n in full if n not in ckpt.location]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UserError(f"{ckpt.dir}: tensor {missing[0]!r} is missing from the checkpoint{more}")
+    for name, shape in full.items():
+        if tuple(ckpt.shape(name)) != tuple(shape):
+            raise UserError(f"{ckpt.file_of(name)}: tensor {name!r} has shape {list(ckpt.shape(name))}, "
+                            f"expected {list(shape)} for this config")
+    unexpected = sorted(n for n in ckpt.names if n not in full and not _is_mtp(n, config))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise UserError(f"{ckpt.file_of(unexpected[0])}: unexpected tensor {unexpected[0]!r}{more} "
+                        f"(not part of a {config.num_hidden_layers}-layer glm4_moe model)")
+    return params
+
+
+def iter_rank_weights(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard,
+                      progress: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(parameter name, float32 array in this rank's shape)`` for every parameter."""
+    params = validate(ckpt, config, shard)
+    mtp = [n for n in ckpt.names if _is_mtp(n, config)]
+    if mtp and progress:
+        logger.info("skipping %d tensors of the MTP block (layer %d): used only for speculative decoding",
+                    len(mtp), config.num_hidden_layers)
+    bar = _progress(len(params)) if progress else None
+    for name, p in params.items():
+        arrays = [ckpt.read(r.name, r.index) for r in p.parts]
+        if p.stack:  # experts: parts come per expert, gate/up pairs concatenated first
+            per_expert = len(arrays) // p.shape[0]
+            arrays = [np.concatenate(arrays[e * per_expert:(e + 1) * per_expert], axis=0)
+                      if per_expert > 1 else arrays[e] for e in range(p.shape[0])]
+            value = np.stack(arrays)
+        else:
+            value = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=p.axis)
+        if value.shape != p.shape:  # a planning bug, not a user error
+            raise AssertionError(f"{name}: built {value.shape}, planned {p.shape}")
+        yield name, value
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress is a nicety, never a requirement
+        return None
+    return tqdm(total=total, desc="loading weights", unit="tensor", dynamic_ncols=True)

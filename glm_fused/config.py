@@ -1,0 +1,182 @@
+"""GLM-4.5 family configuration, read from a Hugging Face ``config.json``.
+
+Framework-free. Accepts both config forms in the wild:
+transformers 4.x (top-level ``rope_theta``, ``partial_rotary_factor``, ``torch_dtype``) and
+transformers 5.x (``rope_parameters: {rope_theta, partial_rotary_factor, rope_type}``, ``dtype``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from glm_fused.errors import UserError
+
+# Models this code computes; anything else is refused by name rather than run wrongly.
+SUPPORTED_MODEL_TYPES = ("glm4_moe",)
+SUPPORTED_ROPE_TYPES = ("default", None)
+FUSED_KERNEL_TP_SIZES = (2, 4, 8, 16)
+
+
+@dataclass
+class Glm4MoeConfig:
+    vocab_size: int = 151552
+    hidden_size: int = 4096
+    intermediate_size: int = 10944
+    moe_intermediate_size: int = 1408
+    num_hidden_layers: int = 46
+    num_attention_heads: int = 96
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    partial_rotary_factor: float = 0.5
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 131072
+    n_routed_experts: int = 128
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    use_qk_norm: bool = False
+    attention_bias: bool = True
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
+    pad_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    dtype: str = "bfloat16"  # the checkpoint's stored dtype
+    model_type: str = "glm4_moe"
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.n_shared_experts
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx >= self.first_k_dense_replace
+
+    # ---- reading -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config") -> "Glm4MoeConfig":
+        model_type = raw.get("model_type", "glm4_moe")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UserError(f"{source}: model_type {model_type!r} is not supported (expected 'glm4_moe')")
+        values = dict(raw)
+        rope = values.get("rope_parameters") or {}
+        if isinstance(rope, dict):
+            # transformers 5 nests RoPE settings; the nested value wins over a stale top-level one.
+            for key in ("rope_theta", "partial_rotary_factor"):
+                if key in rope:
+                    values[key] = rope[key]
+            rope_type = rope.get("rope_type")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise UserError(f"{source}: rope_parameters.rope_type {rope_type!r} is not supported")
+        scaling = values.get("rope_scaling")
+        if scaling:
+            raise UserError(f"{source}: rope_scaling {scaling!r} is not supported (GLM-4.5 uses none)")
+        if "dtype" not in values and "torch_dtype" in values:
+            values["dtype"] = values["torch_dtype"]
+        if values.get("head_dim") is None:
+            values["head_dim"] = values.get("hidden_size", cls.hidden_size) // values.get(
+                "num_attention_heads", cls.num_attention_heads)
+        eos = values.get("eos_token_id")
+        values["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if values.get("hidden_act", "silu") != "silu":
+            raise UserError(f"{source}: hidden_act {values['hidden_act']!r} is not supported (expected 'silu')")
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in values.items() if k in known}
+        try:
+            config = cls(**kwargs)
+        except TypeError as exc:  # pragma: no cover - dataclass keyword errors
+            raise UserError(f"{source}: {exc}") from None
+        config._check(source)
+        return config
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "Glm4MoeConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"{path}: config file not found") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"{path}: expected a JSON object")
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "Glm4MoeConfig":
+        return cls.from_json_file(Path(model_dir) / "config.json")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_hf_dict(self, form: int = 5) -> dict:
+        """The config as transformers writes it (form 4 or 5), for tests and tools."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("dtype", "rope_theta", "partial_rotary_factor")}
+        out["architectures"] = ["Glm4MoeForCausalLM"]
+        if form == 4:
+            out.update(rope_theta=self.rope_theta, partial_rotary_factor=self.partial_rotary_factor,
+                       torch_dtype=self.dtype, rope_scaling=None)
+        else:
+            out.update(rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
+                                        "partial_rotary_factor": self.partial_rotary_factor},
+                       dtype=self.dtype)
+        return out
+
+    # ---- checks --------------------------------------------------------------------
+    def _check(self, source: str) -> None:
+        def bad(name: str, why: str) -> UserError:
+            return UserError(f"{source}: {name}={getattr(self, name)!r} {why}")
+
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise bad(name, "must be a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise bad("num_attention_heads", f"is not a multiple of num_key_value_heads={self.num_key_value_heads}")
+        if self.n_routed_experts % self.n_group:
+            raise bad("n_routed_experts", f"is not a multiple of n_group={self.n_group}")
+        if self.topk_group > self.n_group:
+            raise bad("topk_group", f"exceeds n_group={self.n_group}")
+        if self.n_routed_experts // self.n_group < 2 and self.n_group > 1:
+            raise bad("n_group", "leaves fewer than 2 experts per group (group score sums the top 2)")
+        if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+            raise bad("num_experts_per_tok", "exceeds the experts left after group selection")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise bad("partial_rotary_factor", f"gives an odd or empty rotary_dim={self.rotary_dim}")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise bad("first_k_dense_replace", f"is outside 0..num_hidden_layers={self.num_hidden_layers}")
+        if self.tie_word_embeddings:
+            raise bad("tie_word_embeddings", "is not supported (GLM-4.5 keeps a separate lm_head)")
+
+    def check_tp(self, tp: int, flag: str = "--tp") -> None:
+        """Refuse a tensor-parallel size that does not divide what it must, naming the value."""
+        if not isinstance(tp, int) or tp < 1:
+            raise UserError(f"{flag} {tp!r}: must be a positive integer")
+        if tp == 1:
+            return
+        needs = {
+            "num_attention_heads": self.num_attention_heads,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "vocab_size": self.vocab_size,
+        }
+        for name, value in needs.items():
+            if value % tp:
+                raise UserError(f"{flag} {tp}: {name}={value} is not divisible by {tp}")
+        kv = self.num_key_value_heads
+        # KV heads split when tp <= kv, else each is replicated on tp // kv ranks.
+        if (tp <= kv and kv % tp) or (tp > kv and tp % kv):
+            raise UserError(f"{flag} {tp}: num_key_value_heads={kv} can be neither split nor replicated "
+                            f"evenly over {tp} ranks")

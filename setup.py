@@ -1,0 +1,36 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="glm_fused",
+    version="0.1.0",
+    description="GLM-4.5-Air tensor-parallel inference with fused all-reduce + residual + RMSNorm",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["glm_fused", "glm_fused.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "paddlepaddle>=3.1",
+        "numpy>=1.24",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "jinja2>=3.1",
+        "tqdm>=4.60",
+        "fastapi>=0.110",
+        "uvicorn>=0.27",
+    ],
+    extras_require={
+        # torch is pinned: an unpinned torch pulls a CUDA build of several GB on CPU machines.
+        "torch": ["torch==2.13.0"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "torch==2.13.0", "transformers>=5.0",
+                 "openai>=1.30", "httpx>=0.27"],
+        "gpu": ["flashinfer-python>=0.7"],
+    },
+    data_files=[("share/glm_fused/configs", [str(p) for p in sorted(Path("configs").glob("*.json"))])],
+    entry_points={"console_scripts": [
+        "glm-fused-serve=glm_fused.cli.serve:main",
+        "glm-fused-generate=glm_fused.cli.generate:main",
+        "glm-fused-logit-diff=glm_fused.cli.logit_diff:main",
+    ]},
+)
