@@ -10,7 +10,12 @@ paddlepaddle-gpu 3.x has not been available to run it.
 
 from __future__ import annotations
 
-import paddle
+import warnings
+
+# Paddle warns on import about a compiler cache it only needs for custom C++ ops.
+warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+
+import paddle  # noqa: E402
 
 from glm_fused.paddle_backend.dist import barrier, broadcast_int64, device, dist_backend, init_distributed
 from glm_fused.paddle_backend.model import Glm4MoeForCausalLM

@@ -1,0 +1,95 @@
+"""Causal GQA attention over a KV cache with one slot per sequence.
+
+Per layer the cache is ``(k_cache, v_cache)``, each ``[num_slots, max_model_len, kv_heads, head_dim]``.
+Sequence s of a ForwardBatch writes its new keys/values at its positions in slot ``slots[s]``
+and its queries attend to ``cache[slot, :context_len + query_len]``, query i seeing keys up to
+its own position ``context_len + i``. One rule covers prefill (context 0), decode (one query)
+and chunked prefill (several queries after cached context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm_fused.batch import ForwardBatch
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer's attention needs from the ForwardBatch, built once per forward."""
+
+    token_slots: torch.Tensor     # [T] cache slot of each token
+    positions: torch.Tensor       # [T] cache row of each token (= its position)
+    seqs: list[tuple[int, int, int, int]]  # (slot, context_len, query_len, first token) per sequence
+    masks: list[torch.Tensor | None]       # per sequence: [query_len, keys] True where visible, for
+                                           # chunked prefill only (else causal or a single query)
+    decode_slots: torch.Tensor | None = None  # all query_len == 1: batched decode over padded keys
+    decode_mask: torch.Tensor | None = None   # [S, 1, 1, max_len] True where a key is visible
+
+    @classmethod
+    def from_batch(cls, batch: ForwardBatch, device: torch.device) -> "AttentionMetadata":
+        token_slots = np.repeat(batch.slots, batch.query_lens)
+        seqs = list(zip(batch.slots.tolist(), batch.context_lens.tolist(), batch.query_lens.tolist(),
+                        batch.seq_starts.tolist()))
+        # Masks are built once here (numpy, host) and shared by every layer.
+        masks = []
+        for _, context, n, _ in seqs:
+            if n == 1 or context == 0:  # one query sees everything; a fresh prompt is plain causal
+                masks.append(None)
+                continue
+            rows = np.arange(n)[:, None] + context  # query i sits at position context + i
+            masks.append(torch.as_tensor(np.arange(context + n)[None, :] <= rows, device=device))
+        meta = cls(torch.as_tensor(token_slots, device=device), torch.as_tensor(batch.positions, device=device),
+                   seqs, masks)
+        if batch.num_seqs > 1 and bool(np.all(batch.query_lens == 1)):
+            lengths = batch.context_lens + 1
+            visible = np.arange(int(lengths.max()))[None, :] < lengths[:, None]
+            meta.decode_slots = torch.as_tensor(batch.slots, device=device)
+            meta.decode_mask = torch.as_tensor(visible, device=device)[:, None, None, :]
+        return meta
+
+
+class Attention(nn.Module):
+    """The attention kernel only (no weights): cache write, then softmax(q k^T * scale) v."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``q [T, heads, D]``, ``k``/``v`` ``[T, kv_heads, D]`` -> ``[T, heads, D]``."""
+        k_cache, v_cache = kv_cache
+        k_cache[meta.token_slots, meta.positions] = k
+        v_cache[meta.token_slots, meta.positions] = v
+        if meta.decode_mask is not None:
+            return self._decode(q, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        for (slot, context, n, start), mask in zip(meta.seqs, meta.masks):
+            end = context + n
+            causal = mask is None and n > 1
+            out[start:start + n] = self._sdpa(q[start:start + n], k_cache[slot, :end], v_cache[slot, :end],
+                                              mask, causal)
+        return out
+
+    def _sdpa(self, q, keys, values, mask, causal):
+        # [len, heads, D] -> [1, heads, len, D]; GQA expands kv heads inside SDPA.
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                           values.transpose(0, 1)[None], attn_mask=mask, is_causal=causal,
+                                           scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return o[0].transpose(0, 1)
+
+    def _decode(self, q, k_cache, v_cache, meta):
+        # One query per sequence: all sequences in one call over keys padded to the longest
+        # context; the mask hides the padding (the cache is zero-initialised, never NaN).
+        max_len = meta.decode_mask.shape[-1]
+        keys = k_cache[meta.decode_slots, :max_len].transpose(1, 2)    # [S, kv_heads, max_len, D]
+        values = v_cache[meta.decode_slots, :max_len].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=meta.decode_mask,
+                                           scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return o[:, :, 0, :]

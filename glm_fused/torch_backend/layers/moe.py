@@ -1,0 +1,115 @@
+"""GLM-4.5 feed-forward blocks: dense SwiGLU MLP, and the MoE (router, routed + shared experts).
+
+Experts are tensor-parallel: every rank holds every expert (``TPShard.experts()``) with its
+slice of the intermediate dimension, so a rank's output is a partial sum. Routed and shared
+outputs are added BEFORE the one all-reduce (or before the next fused norm does it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm_fused.config import Glm4MoeConfig
+from glm_fused.sharding import TPShard
+from glm_fused.torch_backend.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+
+class MLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up merged into one column-parallel matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size_local: int, comm, reduce_results: bool,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size_local] * 2, dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate_size_local, hidden_size, comm, reduce_results, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class TopKRouter(nn.Module):
+    """Sigmoid router with group-limited top-k, all in fp32 whatever the model dtype.
+
+    The correction bias steers only WHICH experts are chosen; the weights come from the
+    un-biased scores.
+    """
+
+    def __init__(self, config: Glm4MoeConfig):
+        super().__init__()
+        E = config.n_routed_experts
+        self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
+        self.norm_topk_prob, self.scale = config.norm_topk_prob, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(E, config.hidden_size, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` -> ``(weights [T, top_k] fp32, expert ids [T, top_k])``."""
+        scores = F.linear(x.float(), self.weight).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            T, E = choice.shape
+            # A group's score is the sum of its best two experts; keep the best topk_group groups.
+            group_scores = choice.view(T, self.n_group, -1).topk(2, dim=-1).values.sum(dim=-1)
+            kept = group_scores.topk(self.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            expert_mask = group_mask.repeat_interleave(E // self.n_group, dim=1)
+            choice = choice.masked_fill(~expert_mask, float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
+
+
+class Experts(nn.Module):
+    """Stacked expert weights; runs only the experts that received tokens."""
+
+    def __init__(self, expert_range: tuple[int, int], hidden_size: int, intermediate_size_local: int,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.first, self.last = expert_range
+        n = self.last - self.first
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * intermediate_size_local, hidden_size, dtype=dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(n, hidden_size, intermediate_size_local, dtype=dtype),
+                                      requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        top_k = ids.shape[1]
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
+        counts = torch.bincount(flat).tolist()  # the one host sync per layer
+        tokens, token_weights = order // top_k, weights.flatten()[order]
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        begin = 0
+        for expert, count in enumerate(counts):
+            end = begin + count
+            if count and self.first <= expert < self.last:
+                e = expert - self.first
+                rows = tokens[begin:end]
+                gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.down_proj[e])
+                out.index_add_(0, rows, y.float() * token_weights[begin:end, None])
+            begin = end
+        return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    """Routed experts + shared experts on the same normed input, summed, then one all-reduce."""
+
+    def __init__(self, config: Glm4MoeConfig, shard: TPShard, comm, reduce_results: bool,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.comm, self.reduce_results = comm, reduce_results
+        self.gate = TopKRouter(config)
+        self.experts = Experts(shard.experts(), config.hidden_size, shard.moe_intermediate_size, dtype=dtype)
+        self.shared_experts = MLP(config.hidden_size, shard.shared_intermediate_size, comm,
+                                  reduce_results=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids) + self.shared_experts(x)
+        return self.comm.all_reduce(out) if self.reduce_results else out
