@@ -64,7 +64,6 @@ class SafetensorsFile:
                 raise UserError(f"{self.path}: file is truncated (tensor {name!r} ends at byte "
                                 f"{self._data_start + end}, file has {size})")
             self._entries[name] = (dtype, shape, begin, end)
-        self._mmap: np.memmap | None = None
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -78,23 +77,24 @@ class SafetensorsFile:
     def dtype(self, name: str) -> str:
         return self._entries[name][0]
 
-    def _view(self, name: str) -> tuple[str, np.ndarray]:
-        dtype, shape, begin, end = self._entries[name]
-        if self._mmap is None:
-            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._data_start)
-        raw = self._mmap[begin:end]
-        return dtype, raw.view(_NUMPY_DTYPES[dtype]).reshape(shape)
-
     def read(self, name: str, index: tuple | None = None, float32: bool = True) -> np.ndarray:
-        """Copy out ``tensor[index]`` only; floats widened to float32 when ``float32``."""
-        dtype, view = self._view(name)
-        part = view[index] if index is not None else view
-        if dtype == "BF16":
-            bits = part.astype(np.uint32) << 16
-            return bits.view(np.float32)
-        if float32 and dtype in _FLOAT_DTYPES:
-            return np.array(part, dtype=np.float32)  # a copy: never hand out views of the map
-        return np.array(part)
+        """Copy out ``tensor[index]`` only; floats widened to float32 when ``float32``.
 
-    def close(self) -> None:
-        self._mmap = None
+        The map covers this one tensor and is dropped right after the copy, so the file
+        pages a rank touched do not stay counted in its memory for the rest of the load.
+        """
+        dtype, shape, begin, end = self._entries[name]
+        if end == begin:
+            return np.zeros(shape, dtype=np.float32 if dtype in _FLOAT_DTYPES else _NUMPY_DTYPES[dtype])
+        mapped = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._data_start + begin,
+                           shape=(end - begin,))
+        try:
+            view = mapped.view(_NUMPY_DTYPES[dtype]).reshape(shape)
+            part = view[index] if index is not None else view
+            if dtype == "BF16":
+                return (part.astype(np.uint32) << 16).view(np.float32)
+            if float32 and dtype in _FLOAT_DTYPES:
+                return np.array(part, dtype=np.float32)  # a copy: never hand out views of the map
+            return np.array(part)
+        finally:
+            del mapped
