@@ -1,0 +1,134 @@
+"""One request's state in the engine: tokens, KV-cache slot, progress, text, timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from glm_fused.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"    # queued, owns no KV-cache slot
+    RUNNING = "running"    # owns a slot; prefilling or decoding
+    FINISHED = "finished"  # slot returned
+
+
+class Sequence:
+    """A request: its prompt, generated tokens, slot, and how much of it is cached."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 detokenizer=None, arrival_time: float | None = None):
+        if not prompt_token_ids:
+            raise ValueError("empty prompt")
+        self.request_id = request_id
+        self.prompt_token_ids = [int(t) for t in prompt_token_ids]
+        self.params = params
+        self.output_token_ids: list[int] = []
+        self.status = Status.WAITING
+        self.slot: int | None = None
+        self.num_computed = 0     # tokens whose keys/values are in the cache
+        self.finish_reason: str | None = None
+        self.rng = params.make_generator()
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        # Text (only with a detokenizer: glm_fused.tokenizer.IncrementalDecoder or alike, with
+        # step(id) -> str and flush() -> str): output so far, cut at a stop string; `_sent`
+        # chars were already handed out as deltas.
+        self.detokenizer = detokenizer
+        self.text = ""
+        self._sent = 0
+        self._max_stop = max((len(s) for s in params.stop), default=0)
+        self._cut = False  # text was cut at a stop string: it is final
+
+    # ---- sizes ---------------------------------------------------------------------------
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens known but not yet in the cache: the rest of the prompt, or the last sample."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + output (a prefill chunk, or the last sample)."""
+        p = self.prompt_len
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    # ---- generation ----------------------------------------------------------------------
+    def append_token(self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int,
+                     now: float | None = None) -> None:
+        """Record a sampled token and decide whether the sequence is done."""
+        now = time.monotonic() if now is None else now
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        self.output_token_ids.append(int(token_id))
+        params = self.params
+        if not params.ignore_eos and token_id in eos_token_ids:
+            self.finish_reason = "stop"   # the EOS token counts as generated, shows no text
+            return
+        if token_id in params.stop_token_ids:
+            self.finish_reason = "stop"
+            return
+        if self.detokenizer is not None:
+            old_len = len(self.text)
+            self.text += self.detokenizer.step(token_id)
+            if self._check_stop_strings(old_len):
+                return
+        if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = "length"
+
+    def _check_stop_strings(self, old_len: int) -> bool:
+        if not self._max_stop or len(self.text) == old_len:
+            return False
+        # Earlier text was already searched: a new match must end inside the new text.
+        start = max(0, old_len - self._max_stop + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.finish_reason = "stop"
+            self._cut = True
+            return True
+        return False
+
+    def finish(self, reason: str) -> None:
+        if self.finished:
+            return
+        self.finish_reason = self.finish_reason or reason
+        self.status = Status.FINISHED
+        if self.detokenizer is not None and not self._cut:
+            # An incomplete character at the very end is shown as-is when the sequence ends.
+            self.text += self.detokenizer.flush()
+
+    def take_text_delta(self) -> str:
+        """New text since the last call. While running, text that could still turn out to
+        be the start of a stop string is held back."""
+        end = len(self.text)
+        if not self.finished and self._max_stop:
+            for size in range(min(self._max_stop - 1, end - self._sent), 0, -1):
+                tail = self.text[end - size:]
+                if any(s.startswith(tail) for s in self.params.stop):
+                    end -= size
+                    break
+        delta = self.text[self._sent:end]
+        self._sent = max(self._sent, end)
+        return delta

@@ -1,0 +1,301 @@
+"""Engine, scheduler, sequence and sampler against a fake runner (in-process, fast).
+
+The fake runner keeps a real per-slot token cache and derives each position's logits from a
+hash of every token cached in that slot up to it, so a scheduling mistake (wrong slot,
+wrong context, a chunk out of order) changes the generated tokens and fails a test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+
+import numpy as np
+import pytest
+
+from glm_fused.batch import ForwardBatch
+from glm_fused.engine import InvalidParam, LLMEngine, SamplingParams, Scheduler, Sequence, run_worker, sample
+from glm_fused.engine.llm_engine import CMD_NOOP
+from glm_fused.tokenizer import IncrementalDecoder
+
+VOCAB = 64
+
+
+class FakeRunner:
+    def __init__(self, max_num_seqs: int, max_model_len: int, vocab: int = VOCAB):
+        self.cache = np.full((max_num_seqs, max_model_len), -1, dtype=np.int64)
+        self.vocab = vocab
+        self.batches: list[ForwardBatch] = []
+
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        self.batches.append(batch)
+        assert len(set(batch.slots.tolist())) == batch.num_seqs, "two sequences share a slot"
+        rows = {}
+        for s, start in enumerate(batch.seq_starts):
+            slot, ctx, q = int(batch.slots[s]), int(batch.context_lens[s]), int(batch.query_lens[s])
+            pos = batch.positions[start:start + q]
+            assert list(pos) == list(range(ctx, ctx + q)), "positions do not follow the context"
+            if ctx == 0:
+                self.cache[slot, :] = -1  # a new owner: the old contents must not matter
+            assert (self.cache[slot, :ctx] >= 0).all(), "context not in the cache"
+            self.cache[slot, ctx:ctx + q] = batch.input_ids[start:start + q]
+            for i in range(q):
+                rows[int(start) + i] = self._logits(self.cache[slot, :ctx + i + 1])
+        return np.stack([rows[int(i)] for i in batch.logits_indices]).astype(np.float32)
+
+    def _logits(self, tokens: np.ndarray) -> np.ndarray:
+        digest = hashlib.sha256(tokens.tobytes()).digest()
+        return np.random.default_rng(int.from_bytes(digest[:8], "little")).standard_normal(self.vocab)
+
+
+def make_engine(max_num_seqs=4, max_model_len=64, budget=16, **kwargs):
+    runner = FakeRunner(max_num_seqs, max_model_len)
+    engine = LLMEngine(runner, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                       max_num_batched_tokens=budget, vocab_size=VOCAB, **kwargs)
+    return engine, runner
+
+
+PROMPTS = [[1, 2, 3], list(range(5, 30)), [7], list(range(10, 18)), [40, 41, 42, 43, 44], list(range(1, 40))]
+
+
+def greedy(n=12):
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+# ---- sampler -------------------------------------------------------------------------------
+def test_greedy_is_argmax_and_top_k_1():
+    logits = np.random.default_rng(0).standard_normal(100).astype(np.float32)
+    rng = np.random.default_rng(1)
+    assert sample(logits, greedy(), rng) == int(np.argmax(logits))
+    assert all(sample(logits, SamplingParams(temperature=1.5, top_k=1), rng) == int(np.argmax(logits))
+               for _ in range(20))
+
+
+def test_seeded_sampling_reproducible_and_unseeded_varies():
+    logits = np.zeros(1000, dtype=np.float32)
+    params = SamplingParams(temperature=1.0, seed=1234)
+    a = [sample(logits, params, params.make_generator()) for _ in range(3)]
+    assert len(set(a)) == 1
+    gen = params.make_generator()
+    draws = [sample(logits, params, gen) for _ in range(50)]
+    assert len(set(draws)) > 10  # one generator moves on between draws
+    free = SamplingParams(temperature=1.0)
+    assert len({sample(logits, free, free.make_generator()) for _ in range(20)}) > 1
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = np.array([5.0, 4.0, 3.0, 0.0, -1.0, -2.0], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    hot = SamplingParams(temperature=50.0, top_k=3)  # nearly uniform over the top 3
+    seen = {sample(logits, hot, rng) for _ in range(300)}
+    assert seen == {0, 1, 2}
+    # softmax(logits) ~ [0.66, 0.24, 0.09, ...]: top_p 0.5 keeps only id 0, 0.8 keeps 0 and 1.
+    assert {sample(logits, SamplingParams(top_p=0.5), rng) for _ in range(200)} == {0}
+    assert {sample(logits, SamplingParams(top_p=0.8), rng) for _ in range(400)} == {0, 1}
+    # Frequencies follow the (renormalised) distribution: id 0 ~ 0.66/0.90 = 0.73 +- 0.05.
+    draws = [sample(logits, SamplingParams(top_p=0.8), rng) for _ in range(2000)]
+    assert abs(draws.count(0) / 2000 - 0.66524 / (0.66524 + 0.24473)) < 0.05
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"seed": -3}, "seed"),
+    ({"stop": ["x"] * 17}, "stop"),
+])
+def test_invalid_params_name_the_field(kwargs, param):
+    with pytest.raises(InvalidParam) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
+# ---- text ----------------------------------------------------------------------------------
+BYTES = "héllo wörld ✓ end".encode()
+
+
+class ByteTokenizer:  # token i = byte i: multi-byte characters arrive in pieces
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class LetterTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(0x41 + (t % 26)) for t in ids)
+
+
+def test_stop_string_across_tokens_cuts_text_and_holds_back():
+    params = SamplingParams(max_tokens=100, stop=["wör", "zzz"])
+    seq = Sequence("r", [1], params, detokenizer=IncrementalDecoder(ByteTokenizer()))
+    streamed = []
+    for b in BYTES:
+        seq.append_token(b, frozenset(), 1000)
+        if seq.finish_reason:
+            seq.finish(seq.finish_reason)
+        streamed.append(seq.take_text_delta())
+        assert "w" not in "".join(streamed) or seq.finished  # "w" may start "wör": held back
+        if seq.finished:
+            break
+    assert seq.finish_reason == "stop"
+    assert seq.text == "héllo " == "".join(streamed)
+
+
+def test_eos_and_stop_token_ids_finish_with_stop_unless_ignored():
+    for params, reason, n in [(SamplingParams(max_tokens=5), "stop", 1),
+                              (SamplingParams(max_tokens=5, ignore_eos=True), "length", 5),
+                              (SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=[9]), "stop", 1)]:
+        seq = Sequence("r", [1], params)
+        while seq.finish_reason is None:
+            seq.append_token(9, frozenset({9}), 1000)
+        assert (seq.finish_reason, len(seq.output_token_ids)) == (reason, n)
+
+
+# ---- scheduler -----------------------------------------------------------------------------
+def test_chunked_prefill_respects_budget_and_joins_between_steps():
+    sched = Scheduler(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=8)
+    a = Sequence("a", list(range(20)), greedy())
+    sched.add(a)
+
+    def step_and_commit():
+        step = sched.schedule()
+        sched.commit(step)
+        return ([s.request_id for s in step.seqs], list(step.num_new), list(step.batch.context_lens),
+                step.sample)
+
+    assert step_and_commit() == (["a"], [8], [0], [False])
+    sched.add(Sequence("b", [1, 2, 3], greedy()))   # arrives mid-prefill
+    assert step_and_commit() == (["a"], [8], [8], [False])       # budget spent on a's chunk
+    assert step_and_commit() == (["a", "b"], [4, 3], [16, 0], [True, True])  # b joins
+    b = sched.running[1]
+    c = Sequence("c", [4, 5], greedy())
+    sched.add(c)
+    a.output_token_ids.append(1)
+    b.output_token_ids.append(1)
+    assert step_and_commit() == (["a", "b"], [1, 1], [20, 3], [True, True])  # no free slot: c waits
+    assert sched.num_running == 2 and sched.num_waiting == 1
+    b_slot = b.slot
+    sched.finish(b, "stop")                  # b leaves; its slot serves c in the very next step
+    a.output_token_ids.append(1)
+    assert step_and_commit() == (["a", "c"], [1, 2], [21, 0], [True, True])
+    assert c.slot == b_slot and b.slot is None
+
+
+def test_decodes_go_first_and_budget_is_never_exceeded():
+    engine, runner = make_engine(max_num_seqs=4, budget=6)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, greedy(8))
+    while engine.has_unfinished():
+        engine.step()
+    for batch in runner.batches:
+        assert batch.num_tokens <= 6 and batch.num_seqs <= 4
+        decode = batch.query_lens == 1
+        first_prefill = np.argmax(~decode) if (~decode).any() else len(decode)
+        assert decode[:first_prefill].all()  # decodes lead the batch
+    assert any((b.context_lens > 0).any() and (b.query_lens > 1).any() for b in runner.batches), \
+        "no chunked prefill happened"
+
+
+# ---- engine --------------------------------------------------------------------------------
+def run_alone(prompt, params):
+    engine, _ = make_engine(max_num_seqs=1, budget=64)
+    return engine.generate([prompt], params)[0].output_token_ids
+
+
+def test_greedy_same_alone_and_in_a_busy_batch():
+    alone = [run_alone(p, greedy()) for p in PROMPTS]
+    # Busy: few slots, a small budget (chunked prefill, queueing), staggered arrivals.
+    engine, runner = make_engine(max_num_seqs=3, budget=7)
+    seqs = []
+    for i, p in enumerate(PROMPTS):
+        seqs.append(engine.add_request(str(i), p, greedy()))
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.output_token_ids for s in seqs] == alone
+    assert max(b.num_seqs for b in runner.batches) == 3
+
+
+def test_seeded_sampling_same_alone_and_in_a_batch():
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=20, seed=i) for i in range(4)]
+    alone = [run_alone(p, sp) for p, sp in zip(PROMPTS, params)]
+    engine, _ = make_engine(max_num_seqs=4, budget=9)
+    assert [s.output_token_ids for s in engine.generate(PROMPTS[:4], params)] == alone
+
+
+def test_length_limits_and_context_limit():
+    engine, _ = make_engine(max_model_len=16, budget=16)
+    seq = engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.finish_reason == "length" and len(seq.output_token_ids) == 4
+    with pytest.raises(InvalidParam) as info:
+        engine.check_prompt([1] * 10, SamplingParams(max_tokens=7))
+    assert info.value.param == "max_tokens"
+    with pytest.raises(InvalidParam) as info:
+        engine.check_prompt([1] * 16, SamplingParams(max_tokens=1), param="messages")
+    assert info.value.param == "messages"
+    with pytest.raises(InvalidParam) as info:
+        engine.check_prompt([1, VOCAB], SamplingParams(max_tokens=1))
+    assert info.value.param == "prompt" and str(VOCAB) in str(info.value)
+
+
+def test_eos_finishes_and_frees_the_slot():
+    engine, _ = make_engine(max_num_seqs=1)
+    first = engine.generate([[5, 6]], greedy(1))[0].output_token_ids[0]
+    engine2, _ = make_engine(max_num_seqs=1, eos_token_ids=[first])
+    seq = engine2.generate([[5, 6]], greedy(10))[0]
+    assert seq.finish_reason == "stop" and seq.output_token_ids == [first]
+    assert list(engine2.scheduler.free_slots) == [0]
+
+
+def test_abort_frees_slot_at_once():
+    engine, _ = make_engine(max_num_seqs=1, budget=32)
+    engine.add_request("a", [1, 2, 3], greedy(50))
+    engine.add_request("b", [4, 5], greedy(3))
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 1
+    out = engine.abort("a")
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.num_running == 0 and list(engine.scheduler.free_slots) == [0]
+    outs = engine.step()
+    assert [o.request_id for o in outs] == ["b"]
+    assert engine.abort("missing") is None
+    assert [o.request_id for o in engine.abort_all()] == ["b"] and not engine.has_unfinished()
+
+
+def test_broadcast_protocol_workers_see_every_forward():
+    """Rank 0 broadcasts each step; a worker loop (here a thread) replays it, then stops."""
+    pipe: queue.Queue = queue.Queue()
+    worker_runner = FakeRunner(2, 64)
+
+    def receive(_none, src=0):
+        return pipe.get(timeout=10)
+
+    done = {}
+    thread = threading.Thread(target=lambda: done.setdefault("steps", run_worker(worker_runner, receive)))
+    thread.start()
+    engine, runner = make_engine(max_num_seqs=2, budget=5, broadcast=pipe.put, heartbeat_s=0.0)
+    engine.heartbeat()                 # idle: a no-op goes out
+    seqs = engine.generate(PROMPTS[:3], greedy(6))
+    engine.stop_workers()
+    engine.stop_workers()              # only one stop message
+    thread.join(10)
+    assert not thread.is_alive() and done["steps"] == len(runner.batches) == len(worker_runner.batches)
+    for a, b in zip(runner.batches, worker_runner.batches):
+        assert np.array_equal(a.to_array(), b.to_array())
+    assert all(s.finished for s in seqs)
+    assert pipe.empty()
+
+
+def test_worker_rejects_unknown_command():
+    msgs = iter([np.array([CMD_NOOP]), np.array([99])])
+    with pytest.raises(RuntimeError, match="unknown command"):
+        run_worker(FakeRunner(1, 8), lambda _a, src=0: next(msgs))
+
+
+def test_text_output_matches_full_decode_when_streamed():
+    engine, _ = make_engine(tokenizer=LetterTokenizer())
+    pieces = {}
+    seqs = engine.generate(PROMPTS[:2], greedy(10),
+                           on_output=lambda o: pieces.setdefault(o.request_id, []).append(o.text_delta))
+    for seq in seqs:
+        assert "".join(pieces[seq.request_id]) == seq.text == LetterTokenizer().decode(seq.output_token_ids)

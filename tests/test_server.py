@@ -1,0 +1,552 @@
+"""The OpenAI-compatible server, end to end: scripts/serve.py as a subprocess on the tiny
+default at TP 2 and TP 4 on CPU, driven by the official ``openai`` client and raw HTTP.
+
+One server start per TP size is shared by the tests of that size (each start costs about
+10 s on 2 cores); the last test of each size stops it with SIGTERM and checks that no
+process is left. A separate TP 2 start checks that a killed rank takes the server down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "glm-4.5-air-tiny"
+ENGINE_FLAGS = ["--max-num-seqs", "8", "--max-model-len", "256", "--max-num-batched-tokens", "48"]
+START_TIMEOUT_S = 150
+PROMPTS = ["The lighthouse stands at the end of", "A river begins as rain", "To bake a simple loaf",
+           "Numbers have patterns that are", "The city library opens at nine", "In the mountains the weather",
+           "When you ask a question, a good answer", "Sailors who come home late watch for"]
+
+
+# ---- processes -------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    """Every live descendant of pid (each rank has a process group of its own, so walk the tree)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Server:
+    def __init__(self, tp: int, log_path: Path, extra: list[str] | None = None):
+        self.tp, self.port, self.log_path = tp, free_port(), log_path
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model", MODEL, "--tp", str(tp),
+               "--port", str(self.port), *ENGINE_FLAGS, *(extra or [])]
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.ranks: list[int] = []
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        end = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.ranks = [p for p in children(self.proc.pid)]
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"server not ready after {START_TIMEOUT_S}s:\n{self.output()}")
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60, **kwargs)
+
+    def close(self) -> None:
+        pids = [self.proc.pid, *children(self.proc.pid)]
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in pids:  # never leave anything behind, even after a failure
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+def server(request, tmp_path_factory):
+    srv = Server(request.param, tmp_path_factory.mktemp(f"serve_tp{request.param}") / "serve.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.close()
+
+
+def complete(srv: Server, prompt, max_tokens=8, **extra) -> tuple[str, list[int], str, dict]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True, **extra}
+    r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    c = data["choices"][0]
+    return c["text"], c["token_ids"], c["finish_reason"], data["usage"]
+
+
+def metric(srv: Server, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    key = f"glm_fused_{name}{labels}"
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+# ---- the API ---------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_health_and_models(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    info = httpx.get(f"{server.url}/v1/models").json()["data"][0]["glm_fused"]
+    assert info["tp"] == server.tp and info["layout"] == "fused" and info["fusion"] == "reference"
+    log = server.output()
+    for word in ("backend=paddle", f"tp={server.tp}", "dtype=float32", "fusion=reference", "KV cache 8 slots x 256"):
+        assert word in log, f"start-up log lacks {word!r}:\n{log}"
+
+
+@pytest.mark.timeout(120)
+def test_openai_completion_and_chat(server):
+    from glm_fused.tokenizer import Tokenizer
+    from glm_fused.tiny import ensure_tiny_checkpoint
+
+    tok = Tokenizer(ensure_tiny_checkpoint())
+    client = server.client()
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(tok.encode(PROMPTS[0], add_special_tokens=True))
+    assert r.usage.completion_tokens == 6 and r.usage.total_tokens == r.usage.prompt_tokens + 6
+    assert isinstance(r.choices[0].text, str) and r.choices[0].text
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the lighthouse?"}]
+    for thinking in (True, False):
+        c = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking)
+        assert rendered.startswith("[gMASK]<sop>") and rendered.endswith("<|assistant|>" if thinking else "</think>")
+        assert c.usage.prompt_tokens == len(tok.encode(rendered))
+        assert c.choices[0].message.role == "assistant" and c.choices[0].finish_reason in ("stop", "length")
+        assert 1 <= c.usage.completion_tokens <= 5
+
+
+@pytest.mark.timeout(120)
+def test_streaming_matches_non_streaming(server):
+    client = server.client()
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}],
+                                          max_tokens=10, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}],
+                                            max_tokens=10, temperature=0, stream=True)
+    parts = list(stream)
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == chat.choices[0].message.content
+    assert parts[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+
+    # Raw SSE: events are `data: {json}` lines and the stream ends with [DONE].
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 3, "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+
+
+@pytest.mark.timeout(120)
+def test_sampling_seed_and_stop_strings(server):
+    client = server.client()
+    kwargs = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=12, temperature=1.0, top_p=0.9,
+                  extra_body={"top_k": 50, "ignore_eos": True})
+    a = client.completions.create(seed=7, **kwargs).choices[0].text
+    b = client.completions.create(seed=7, **kwargs).choices[0].text
+    assert a == b  # same seed, same tokens (each request owns its generator)
+
+    text, _, _, _ = complete(server, PROMPTS[4], max_tokens=16, ignore_eos=True)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), f"no usable stop string in {text!r}"
+    cut, _, reason, _ = complete(server, PROMPTS[4], max_tokens=16, ignore_eos=True, stop=[stop])
+    assert reason == "stop" and cut == text[:text.index(stop)]
+
+
+@pytest.mark.timeout(240)
+def test_32_concurrent_requests_none_lost_and_greedy_unchanged(server, tmp_path):
+    """32 concurrent requests over 8 slots: all answered, each exactly as when run alone,
+    and as scripts/generate.py makes them."""
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
+    alone = {i: complete(server, prompts[i], ignore_eos=True)[1] for i in (0, 5, 13, 31)}
+    before = metric(server, "requests_total", '{finish_reason="length"}')
+
+    def one(i):
+        return complete(server, prompts[i], ignore_eos=True)
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    assert len(results) == 32
+    assert all(len(ids) == 8 and reason == "length" for _, ids, reason, _ in results)
+    for i, ids in alone.items():
+        assert results[i][1] == ids, f"prompt {i}: alone {ids} vs in a busy batch {results[i][1]}"
+    assert metric(server, "requests_total", '{finish_reason="length"}') - before == 32
+
+    picked = [0, 5, 13, 31]
+    cmd = [sys.executable, str(ROOT / "scripts" / "generate.py"), "--model", MODEL, "--tp", str(server.tp),
+           *ENGINE_FLAGS, "--max-new-tokens", "8", "--ignore-eos", "--json"]
+    for i in picked:
+        cmd += ["--prompt", prompts[i]]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    offline = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [o["token_ids"] for o in offline] == [results[i][1] for i in picked]
+    assert [o["text"] for o in offline] == [results[i][0] for i in picked]
+
+
+@pytest.mark.timeout(120)
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
+    client = server.client()
+    cases = [
+        (dict(model="no-such-model"), 404, "model"),
+        (dict(max_tokens=0), 400, "max_tokens"),
+        (dict(temperature=-0.5), 400, "temperature"),
+        (dict(top_p=0.0), 400, "top_p"),
+        (dict(n=2), 400, "n"),
+        (dict(max_tokens=10_000), 400, "max_tokens"),
+        (dict(prompt="word " * 400), 400, "prompt"),
+        (dict(prompt=[5, 10**6]), 400, "prompt"),
+        (dict(extra_body={"logprobs": 3}), 400, "logprobs"),
+    ]
+    before = metric(server, "request_errors_total", '{status="400"}')
+    for kwargs, status, param in cases:
+        args = dict(model=MODEL, prompt="hello", max_tokens=4) | kwargs
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(**args)
+        assert info.value.status_code == status, (kwargs, info.value.body)
+        assert info.value.body["param"] == param and info.value.body["message"], info.value.body
+    assert metric(server, "request_errors_total", '{status="400"}') - before == 8
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
+    assert info.value.body["param"].startswith("messages")
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    # Still serving.
+    r = client.completions.create(model=MODEL, prompt="hello", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+
+@pytest.mark.timeout(120)
+def test_metrics_move(server):
+    keys = [("requests_total", '{finish_reason="length"}'), ("prompt_tokens_total", ""),
+            ("generation_tokens_total", ""), ("time_to_first_token_seconds_count", ""),
+            ("time_per_output_token_seconds_count", ""), ("engine_steps_total", "")]
+    before = {name: metric(server, name, labels) for name, labels in keys}
+    complete(server, PROMPTS[5], max_tokens=5, ignore_eos=True)
+    after = {name: metric(server, name, labels) for name, labels in keys}
+    assert after["requests_total"] == before["requests_total"] + 1
+    assert after["generation_tokens_total"] == before["generation_tokens_total"] + 5
+    assert after["prompt_tokens_total"] > before["prompt_tokens_total"]
+    assert after["time_to_first_token_seconds_count"] == before["time_to_first_token_seconds_count"] + 1
+    assert after["time_per_output_token_seconds_count"] == before["time_per_output_token_seconds_count"] + 1
+    assert after["engine_steps_total"] >= before["engine_steps_total"] + 5
+    text = httpx.get(f"{server.url}/metrics").text
+    assert "# TYPE glm_fused_num_requests_running gauge" in text
+    assert "# TYPE glm_fused_num_requests_waiting gauge" in text
+    # Fused layout at TP > 1: rank 0 made only fused all-reduce + norm calls, no plain ones.
+    assert metric(server, "allreduce_calls_total", '{kind="fused_allreduce_norm_calls"}') > 0
+    assert metric(server, "allreduce_calls_total", '{kind="plain_allreduce_calls"}') == 0
+
+
+@pytest.mark.timeout(120)
+def test_client_disconnect_frees_its_sequence(server):
+    before = metric(server, "requests_total", '{finish_reason="abort"}')
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 200, "ignore_eos": True,
+                            "stream": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 3:
+                break  # leave mid-stream
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        if (metric(server, "requests_total", '{finish_reason="abort"}') == before + 1
+                and metric(server, "num_requests_running") == 0):
+            break
+        time.sleep(0.2)
+    assert metric(server, "requests_total", '{finish_reason="abort"}') == before + 1
+    assert metric(server, "num_requests_running") == 0
+    assert metric(server, "generation_tokens_total") < 1e9  # still answering
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_cancels_in_flight_and_stops_every_rank(server):
+    """Last test of each server: SIGTERM while a request streams."""
+    assert len(server.ranks) >= server.tp
+    events: list[str] = []
+
+    def stream():
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
+                              json={"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 200,
+                                    "ignore_eos": True, "stream": True}) as r:
+                if r.status_code != 200:
+                    events.append(f"HTTP {r.status_code}: {r.read().decode()}")
+                    return
+                events.extend(ln for ln in r.iter_lines() if ln)
+        except httpx.HTTPError as exc:
+            events.append(f"transport error: {exc}")
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    end = time.monotonic() + 30
+    while len(events) < 3 and time.monotonic() < end and thread.is_alive():
+        time.sleep(0.05)
+    assert len(events) >= 3 and events[0].startswith("data: {"), events
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    server.proc.wait(20)
+    took = time.monotonic() - start
+    thread.join(10)
+    assert took < 10, f"shutdown took {took:.1f}s"
+    assert not any(alive(p) for p in server.ranks), "a rank outlived the server"
+    finals = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    assert finals and finals[-1]["choices"][0]["finish_reason"] == "abort", events[-3:]
+    assert events[-1] == "data: [DONE]"
+    assert ": stopping..." in server.output() and "every rank told to stop" in server.output()
+
+
+@pytest.mark.timeout(240)
+def test_killed_rank_takes_the_server_down(tmp_path):
+    srv = Server(2, tmp_path / "serve.log")
+    try:
+        srv.wait_ready()
+        ranks = srv.ranks
+        rank1 = [p for p in ranks if b"\0GLM_FUSED_RANK=1\0" in b"\0" + Path(f"/proc/{p}/environ").read_bytes()]
+        assert rank1, "rank 1 not found"
+        os.kill(rank1[0], signal.SIGKILL)
+        srv.proc.wait(30)
+        assert srv.proc.returncode != 0
+        assert "rank 1" in srv.output() and "SIGKILL" in srv.output()
+        assert not any(alive(p) for p in ranks)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{srv.url}/health", timeout=2)
+    finally:
+        srv.close()
+
+
+@pytest.mark.timeout(60)
+def test_impossible_flags_refused_before_any_rank_starts():
+    cases = [
+        (["--tp", "3"], "--tp 3"),
+        (["--unfused", "--enable-flashinfer-allreduce-fusion"], "--enable-flashinfer-allreduce-fusion"),
+        (["--enable-flashinfer-allreduce-fusion", "--tp", "2", "--device", "cpu"], "--device gpu"),
+        (["--dtype", "bfloat16", "--device", "cpu"], "--dtype bfloat16"),
+        (["--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "--max-num-batched-tokens"),
+        (["--max-model-len", "10000000"], "--max-model-len"),
+        (["--model", "/no/such/dir"], "--model"),
+        (["--port", "0"], "--port"),
+    ]
+    for flags, words in cases:
+        run = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve.py"), *flags], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], \
+            (flags, run.stderr)
+
+
+# ---- in-process: the HTTP layer over a fake runner (fast) ----------------------------------
+@pytest.fixture
+def fake_server(request):
+    """create_app + the engine loop on a thread, over test_engine's fake runner; no tokenizer
+    unless the test asks for the tiny one."""
+    from test_engine import FakeRunner
+
+    from glm_fused.engine import LLMEngine
+    from glm_fused.server import EngineBridge, HttpServer, ServerMetrics, create_app, run_engine_loop
+
+    opts = getattr(request, "param", {})
+    tokenizer = None
+    if opts.get("tokenizer"):
+        from glm_fused.tiny import ensure_tiny_checkpoint
+        from glm_fused.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(ensure_tiny_checkpoint())
+    bridge, metrics = EngineBridge(), ServerMetrics()
+    app = create_app(bridge, metrics, model_name="fake", tokenizer=tokenizer, max_model_len=64,
+                     api_key=opts.get("api_key"))
+    port = free_port()
+    http = HttpServer(app, "127.0.0.1", port)
+    http.start()
+    assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503  # not loaded yet
+    bridge.engine = LLMEngine(FakeRunner(2, 64, vocab=1024), max_num_seqs=2, max_model_len=64,
+                              max_num_batched_tokens=8, vocab_size=1024, tokenizer=tokenizer)
+    bridge.loop_error = None
+
+    def engine_loop():
+        try:
+            run_engine_loop(bridge.engine, bridge, metrics)
+        except Exception as exc:  # the failure test breaks the runner on purpose
+            bridge.loop_error = exc
+
+    loop = threading.Thread(target=engine_loop, daemon=True)
+    loop.start()
+    try:
+        yield f"http://127.0.0.1:{port}", bridge
+    finally:
+        bridge.stop_requested = True
+        loop.join(5)
+        http.stop()
+        assert not loop.is_alive() and not http.thread.is_alive()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fake_server", [{"api_key": "sesame"}], indirect=True)
+def test_api_key_guards_v1_only(fake_server):
+    url, _ = fake_server
+    body = {"model": "fake", "prompt": [1, 2, 3], "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+    ok = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0).completions.create(**body)
+    assert ok.usage.completion_tokens == 2
+    assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
+
+
+@pytest.mark.timeout(60)
+def test_without_tokenizer_token_ids_only(fake_server):
+    """Dummy weights from a bare config have no tokenizer: token-id prompts work, text is
+    refused by name, and the result comes back as token ids."""
+    url, _ = fake_server
+    r = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": [5, 6, 7], "max_tokens": 4,
+                                                  "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "" and len(choice["token_ids"]) == 4 and choice["finish_reason"] == "length"
+    for path, body, param in [("completions", {"prompt": "text"}, "prompt"),
+                              ("completions", {"prompt": [1], "stop": ["x"]}, "stop"),
+                              ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages")]:
+        r = httpx.post(f"{url}/v1/{path}", json={"model": "fake", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.timeout(60)
+def test_queueing_beyond_the_slots_and_engine_failure(fake_server):
+    """More requests than slots wait their turn; when the engine dies, waiting requests get
+    an error (500 / an error event) instead of hanging, and /health says so."""
+    url, bridge = fake_server
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+    async def many():
+        import asyncio
+
+        calls = [client.completions.create(model="fake", prompt=[i + 1, 2, 3], max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True}) for i in range(12)]
+        return await asyncio.gather(*calls)
+
+    import asyncio
+
+    results = asyncio.run(many())
+    assert [r.usage.completion_tokens for r in results] == [6] * 12
+    assert len({tuple(r.choices[0].model_extra["token_ids"]) for r in results}) == 12
+
+    def broken(batch):
+        raise RuntimeError("rank 1 is gone")
+
+    bridge.engine.runner.forward = broken
+    r = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": [1, 2], "max_tokens": 3}, timeout=10)
+    assert r.status_code == 500 and "rank 1 is gone" in r.json()["error"]["message"]
+    assert isinstance(bridge.loop_error, RuntimeError)
+    assert httpx.get(f"{url}/health").status_code == 503
+    assert httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": [1], "max_tokens": 1}).status_code == 503
+
+
+@pytest.mark.timeout(120)
+def test_generate_with_dummy_weights_and_no_tokenizer(tmp_path):
+    from glm_fused.tiny import ensure_tiny_checkpoint
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((ensure_tiny_checkpoint() / "config.json").read_text())
+    base = [sys.executable, str(ROOT / "scripts" / "generate.py"), "--model", str(bare), "--load-format", "dummy",
+            "--max-model-len", "64", "--max-num-seqs", "2"]
+    run = subprocess.run(base + ["--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--ignore-eos", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 4 and out["text"] == ""
+    run = subprocess.run(base + ["--prompt", "hello"], cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith("error: ") and "--prompt-ids" in run.stderr
+
+
+@pytest.mark.timeout(60)
+def test_bench_serve_reports_side_by_side(fake_server, tmp_path, capsys):
+    from glm_fused.cli import bench_serve
+
+    url, _ = fake_server
+    out = tmp_path / "bench.json"
+    code = bench_serve.main(["--url", url, "--url", url, "--label", "fused", "--label", "unfused",
+                             "--num-requests", "6", "--concurrency", "3", "--input-len", "5", "--output-len", "4",
+                             "--rounds", "2", "--warmup", "1", "--json", str(out)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "fused" in table and "unfused" in table and "TPOT p99 (ms)" in table and "unfused / fused" in table
+    results = json.loads(out.read_text())["results"]
+    assert [r["requests"] for r in results] == [12, 12]           # 2 rounds x 6, warm-up excluded
+    assert [r["output_tokens"] for r in results] == [48, 48]      # exactly --output-len each
+    assert all(r["ttft_median_ms"] > 0 and r["tpot_median_ms"] > 0 for r in results)
