@@ -238,13 +238,14 @@ def iter_rank_weights(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard,
                     len(mtp), config.num_hidden_layers)
     bar = _progress(len(params)) if progress else None
     for name, p in params.items():
-        arrays = [ckpt.read(r.name, r.index) for r in p.parts]
-        if p.stack:  # experts: parts come per expert, gate/up pairs concatenated first
-            per_expert = len(arrays) // p.shape[0]
-            arrays = [np.concatenate(arrays[e * per_expert:(e + 1) * per_expert], axis=0)
-                      if per_expert > 1 else arrays[e] for e in range(p.shape[0])]
-            value = np.stack(arrays)
+        if p.stack:  # experts: fill one array expert by expert (no second full-size copy)
+            value = np.empty(p.shape, dtype=np.float32)
+            per_expert = len(p.parts) // p.shape[0]
+            for e in range(p.shape[0]):
+                reads = p.parts[e * per_expert:(e + 1) * per_expert]
+                value[e] = np.concatenate([ckpt.read(r.name, r.index) for r in reads], axis=0)
         else:
+            arrays = [ckpt.read(r.name, r.index) for r in p.parts]
             value = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=p.axis)
         if value.shape != p.shape:  # a planning bug, not a user error
             raise AssertionError(f"{name}: built {value.shape}, planned {p.shape}")

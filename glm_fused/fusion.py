@@ -252,6 +252,12 @@ class FallbackLog:
     log = log_once
 
     @classmethod
+    def reset(cls) -> None:
+        """Forget what was logged (a fresh process's state; for tests run in one process)."""
+        with cls._lock:
+            cls._seen.clear()
+
+    @classmethod
     def seen(cls) -> frozenset[str]:
         with cls._lock:
             return frozenset(cls._seen)

@@ -105,7 +105,10 @@ def tp_checks(args: dict) -> None:
     from glm_fused.paddle_backend import (Glm4MoeForCausalLM, ModelRunner, barrier, broadcast_int64,
                                           device_info, init_distributed)
 
+    from glm_fused.fusion import FallbackLog
+
     rank, world = init_distributed()
+    FallbackLog.reset()  # TP 1 runs inside the test process: start from a fresh process's state
     log: list[str] = []  # every log record of this rank, to count the fallback messages
     logging.getLogger().addHandler(_ListHandler(log))
     logging.getLogger().setLevel(logging.INFO)

@@ -112,6 +112,12 @@ def prepare(args: argparse.Namespace) -> argparse.Namespace:
     args.model_dir = None if resolved.path is None else str(resolved.path)
     args.config_path = str(resolved.config_path)
     args.model_name = resolved.name
+    if resolved.path is not None and args.load_format == "safetensors":
+        # Headers and names only (milliseconds): a broken checkpoint fails here, before any rank starts.
+        from glm_fused.checkpoint import Checkpoint, validate
+        from glm_fused.sharding import TPShard
+
+        validate(Checkpoint(resolved.path), config, TPShard(config, 0, args.tp))
 
     args.device = resolve_device(args)
     dtype = DTYPE_NAMES[args.dtype]

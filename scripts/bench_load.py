@@ -1,0 +1,12 @@
+#!/usr/bin/env python
+"""Start-up, load time and peak memory per rank: see --help."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from glm_fused.cli.bench_load import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
