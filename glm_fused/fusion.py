@@ -274,3 +274,51 @@ __all__ = [
     "size_cap_tokens", "workspace_tokens", "workspace_bytes", "use_oneshot", "choose_impl",
     "FusionStats", "FallbackLog",
 ]
+
+
+class CommBackendBase:
+    """FlashInfer's ``comm_backend`` protocol (MPI-style names) over one TP group.
+
+    FlashInfer swaps IPC handles and pids through it (small Python objects) at start-up only,
+    which is how a Paddle process group can drive a workspace FlashInfer builds with torch
+    tensors. The exchange must run on the TP group, never on a wider one (a known hang with
+    DP/PP); here the TP group is the world, so ``Split`` into one colour returns this group.
+    Backends supply the three object collectives ``_allgather``, ``_bcast`` and ``_barrier``.
+    """
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def Get_rank(self) -> int:  # noqa: N802 - FlashInfer's names
+        return self._rank
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self._size
+
+    def allgather(self, data) -> list:
+        return [data] if self._size == 1 else self._allgather(data)
+
+    def bcast(self, data, root: int):
+        return data if self._size == 1 else self._bcast(data, root)
+
+    def barrier(self) -> None:
+        if self._size > 1:
+            self._barrier()
+
+    def Split(self, color: int, key: int) -> "CommBackendBase":  # noqa: N802
+        everyone = self.allgather((color, key, self._rank))
+        if len({c for c, _, _ in everyone}) != 1:
+            # Sub-groups are not needed while TP == world; refuse rather than build a wrong one.
+            raise RuntimeError("comm backend Split: ranks asked for different colours")
+        if [r for _, _, r in sorted(everyone)] != list(range(self._size)):
+            raise RuntimeError("comm backend Split: a reordering split is not supported")
+        return self
+
+    def _allgather(self, data) -> list:
+        raise NotImplementedError
+
+    def _bcast(self, data, root: int):
+        raise NotImplementedError
+
+    def _barrier(self) -> None:
+        raise NotImplementedError

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from glm_fused.fusion import FallbackLog, FusionStats
+from glm_fused.fusion import CommBackendBase, FallbackLog, FusionStats
 
 
 def _env_int(name: str, default: int) -> int:
@@ -139,50 +139,25 @@ class TPComm:
         return FlashInferCommBackend(self)
 
 
-class FlashInferCommBackend:
-    """FlashInfer's ``comm_backend`` protocol over this TP group, for the workspace exchange.
-
-    FlashInfer swaps IPC handles and pids through it (small Python objects) at start-up only.
-    The exchange must run on the TP group, never on a wider one (a known hang with DP/PP);
-    here the TP group is the world, so ``Split`` into one colour returns this same group.
-    """
+class FlashInferCommBackend(CommBackendBase):
+    """FlashInfer's ``comm_backend`` protocol over this TP group (see ``fusion.CommBackendBase``)."""
 
     def __init__(self, comm: TPComm):
+        super().__init__(comm.rank, comm.size)
         self._comm = comm
 
-    def Get_rank(self) -> int:  # noqa: N802 - FlashInfer's (MPI-style) names
-        return self._comm.rank
-
-    def Get_size(self) -> int:  # noqa: N802
-        return self._comm.size
-
-    def allgather(self, data):
-        if self._comm.size == 1:
-            return [data]
+    def _allgather(self, data) -> list:
         out = [None] * self._comm.size
         dist.all_gather_object(out, data, group=self._comm.group)
         return out
 
-    def bcast(self, data, root: int):
-        if self._comm.size == 1:
-            return data
+    def _bcast(self, data, root: int):
         box = [data]
         dist.broadcast_object_list(box, src=root, group=self._comm.group)
         return box[0]
 
-    def barrier(self) -> None:
-        if self._comm.size > 1:
-            dist.barrier(group=self._comm.group)
-
-    def Split(self, color: int, key: int) -> "FlashInferCommBackend":  # noqa: N802
-        everyone = self.allgather((color, key, self._comm.rank))
-        if len({c for c, _, _ in everyone}) != 1:
-            # Sub-groups are not needed while TP == world; refuse rather than build a wrong one.
-            raise RuntimeError("FlashInferCommBackend.Split: ranks asked for different colours")
-        order = [r for _, _, r in sorted(everyone)]
-        if order != list(range(self._comm.size)):
-            raise RuntimeError("FlashInferCommBackend.Split: a reordering split is not supported")
-        return self
+    def _barrier(self) -> None:
+        dist.barrier(group=self._comm.group)
 
 
 __all__ = ["TPComm", "FlashInferCommBackend", "init_distributed", "broadcast_int64", "barrier",
