@@ -242,6 +242,7 @@ def _hf_reference(spec, prompts) -> list[np.ndarray]:
         raise UserError("--hf-reference: needs torch and transformers (pip install 'glm_fused[test]')") from None
     if spec.path is None:
         raise UserError("--hf-reference: needs a checkpoint (not --load-format dummy)")
+    transformers.logging.set_verbosity_error()  # its load report lists the MTP tensors it ignores
     model = transformers.Glm4MoeForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
     model.eval()
     with torch.no_grad():

@@ -1,0 +1,167 @@
+"""The scripts as a user runs them: logit_diff at TP 4, and user mistakes ending in one line.
+
+Tolerances: fused vs unfused in float32 within 1e-5 of the largest logit (the two layouts
+differ only in where the same additions happen); both within 1e-4 of transformers.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+from glm_fused.tiny import ensure_tiny_checkpoint
+
+
+def run_script(script, *args, timeout=240, env_extra=None):
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, GLM_FUSED_TEST_MARKER=marker, **(env_extra or {}))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    proc.elapsed = time.monotonic() - t0
+    proc.leftovers = _processes_with(marker)
+    return proc
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Pids whose environment carries the marker: ranks left behind by a run."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return ensure_tiny_checkpoint()
+
+
+@pytest.mark.timeout(300)
+def test_logit_diff_tp4_fused_matches_unfused_and_transformers(tiny, tmp_path):
+    out, npz = tmp_path / "out.json", tmp_path / "logits.npz"
+    proc = run_script("logit_diff.py", "--model", tiny, "--tp", 4, "--json", out, "--save-logits", npz,
+                      "--hf-reference", "--max-new-tokens", 4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    layers = 4
+    fusion = report["fusion"]
+    assert fusion["plain_allreduce_calls"] == 0
+    assert fusion["fused_allreduce_norm_calls"] == 2 * layers + 1  # >= two per layer, plus the embedding
+    assert fusion["per_decode_step"]["fused_allreduce_norm_calls"] == 2 * layers + 1
+    assert fusion["unfused_model"] == {"fused_allreduce_norm_calls": 0, "plain_allreduce_calls": 2 * layers + 1}
+    assert report["overall"]["max_rel_diff"] <= 1e-5 and report["overall"]["top1_agreement"] == 1.0
+    assert all(p["greedy_agreement"] == 1.0 for p in report["prompts"])
+    for tag in ("fused", "unfused"):
+        assert report["vs_transformers"][tag]["max_rel_diff"] <= 1e-4
+    assert report["passed"] and "PASS" in proc.stdout
+    with np.load(npz) as data:
+        for i, prompt in enumerate(report["prompts"]):
+            for tag in ("fused", "unfused"):
+                arr = data[f"{tag}_{i}"]
+                assert arr.dtype == np.float32 and arr.shape == (prompt["tokens"], 1024)
+    assert not proc.leftovers
+
+
+def test_logit_diff_fails_past_tolerance():
+    from glm_fused.cli.logit_diff import _report
+
+    rng = np.random.default_rng(0)
+    unfused = rng.normal(size=(6, 50)).astype(np.float32)
+    results = {"fused_0": unfused + 0.5 * rng.normal(size=unfused.shape).astype(np.float32),
+               "unfused_0": unfused, "fused_greedy_0": np.array([1, 2]), "unfused_greedy_0": np.array([1, 3])}
+    stats = {"fused": {"fused_allreduce_norm_calls": 9, "plain_allreduce_calls": 0},
+             "unfused": {"fused_allreduce_norm_calls": 0, "plain_allreduce_calls": 9}}
+    args = {"backend": "paddle", "tp": 1, "dtype": "float32"}
+    report = _report([[1] * 6], results, stats, None, 1e-4, 0.99, args)
+    assert not report["passed"] and report["prompts"][0]["greedy_agreement"] == 0.5
+    same = dict(results, fused_0=unfused.copy())
+    assert _report([[1] * 6], same, stats, None, 1e-4, 0.99, args)["passed"]
+
+
+# ---- user mistakes: one line naming the culprit, exit 2, nothing left running ---------------
+
+def _digest(folder: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _broken(tiny, tmp_path, how):
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny, d)
+    shards = sorted(d.glob("*.safetensors"))
+    if how == "truncated":
+        data = shards[1].read_bytes()
+        shards[1].write_bytes(data[:-4096])
+        return d, shards[1].name
+    if how == "missing_shard":
+        shards[2].unlink()
+        return d, shards[2].name
+    if how == "bad_config":
+        (d / "config.json").write_text('{"model_type": "glm4_moe", "hidden_size": ')
+        return d, "config.json"
+    from safetensors.numpy import load_file, save_file
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    name = "model.layers.2.mlp.experts.7.up_proj.weight"
+    shard = d / index["weight_map"][name]
+    tensors = load_file(str(shard))
+    if how == "missing_tensor":
+        del tensors[name]
+        del index["weight_map"][name]
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:  # wrong shape
+        tensors[name] = tensors[name][:, :-1].copy()
+    save_file(tensors, str(shard))
+    return d, name
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["truncated", "missing_shard", "bad_config", "missing_tensor", "wrong_shape"])
+def test_broken_checkpoint_is_one_line(tiny, tmp_path, how):
+    ckpt, culprit = _broken(tiny, tmp_path, how)
+    before = _digest(ckpt)
+    proc = run_script("generate.py", "--model", ckpt, "--tp", 2, "--prompt", "hello", "--max-new-tokens", 2)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and culprit in lines[-1], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.elapsed < 60 and not proc.leftovers
+    assert _digest(ckpt) == before  # nothing the user gave is changed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv,flag", [
+    (["--model", "no/such/model-anywhere"], "--model"),
+    (["--tp", "3"], "--tp 3"),
+    (["--dtype", "bfloat16"], "--dtype bfloat16"),
+    (["--unfused", "--enable-flashinfer-allreduce-fusion"], "--enable-flashinfer-allreduce-fusion"),
+])
+def test_impossible_flags_are_named(argv, flag):
+    proc = run_script("generate.py", "--prompt", "hi", *argv, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and flag in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_logit_diff_refuses_to_overwrite_its_input(tmp_path):
+    ids = tmp_path / "ids.json"
+    ids.write_text("[[1, 2, 3]]")
+    proc = run_script("logit_diff.py", "--prompt-ids", ids, "--json", ids, timeout=60)
+    assert proc.returncode == 2 and "--json" in proc.stderr and "overwrite" in proc.stderr
+    assert ids.read_text() == "[[1, 2, 3]]"
+    ids.write_text("[[1, 2, 99999]]")
+    proc = run_script("logit_diff.py", "--prompt-ids", ids, timeout=60)
+    assert proc.returncode == 2 and "99999" in proc.stderr and str(ids) in proc.stderr
