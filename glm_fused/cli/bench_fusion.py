@@ -795,9 +795,9 @@ def _make_kernel(ctx: _Rank):
     """The fused op of this rank: FlashInfer's kernel on GPU, the reference stand-in on CPU."""
     ns, torch = ctx.ns, ctx.torch
     if ns.stand_in:
-        from glm_fused.cli.gpu_check import _StandInKernel
+        from glm_fused.cli.gpu_check import StandInKernel
 
-        return _StandInKernel(tp_rank=ctx.rank, tp_size=ctx.world, max_num_tokens=ns.workspace_tokens,
+        return StandInKernel(tp_rank=ctx.rank, tp_size=ctx.world, max_num_tokens=ns.workspace_tokens,
                               hidden_size=ns.hidden, group=None)
     from glm_fused import flashinfer_adapter as fa
 
@@ -816,7 +816,7 @@ def _make_kernel(ctx: _Rank):
 def run_check(ctx: _Rank, kernel) -> dict:
     """Each token count: fused (one-shot, two-shot, adapter's choice in place) and the model's
     unfused bf16 path, against fp32 NCCL all-reduce + add + RMSNorm."""
-    from glm_fused.cli.gpu_check import _digest, _ref_fused, _rel
+    from glm_fused.cli.gpu_check import digest, ref_fused, rel_error
     from glm_fused import fusion
     from glm_fused.torch_backend.layers.layernorm import fused_allreduce_residual_rmsnorm
 
@@ -844,14 +844,14 @@ def run_check(ctx: _Rank, kernel) -> dict:
             dist.all_reduce(summed)
             ref_res = summed.to(dev) + residual.float()
             ref_norm = ref_res * (ref_res.pow(2).mean(-1, keepdim=True) + EPS).rsqrt() * weight.float()
-            local_norm, local_res = _ref_fused(parts.float(), residual, weight, EPS)
-            worst["nccl_vs_local"] = max(worst["nccl_vs_local"], _rel(ref_res, local_res))
+            local_norm, local_res = ref_fused(parts.float(), residual, weight, EPS)
+            worst["nccl_vs_local"] = max(worst["nccl_vs_local"], rel_error(ref_res, local_res))
             if mode == "unfused":
                 got_norm, got_res = fused_allreduce_residual_rmsnorm(partial.clone(), residual, weight, EPS,
                                                                      reference_comm)
                 ctx.sync()
-                worst["unfused_normed_rel"] = _rel(got_norm, ref_norm)
-                worst["unfused_residual_rel"] = _rel(got_res, ref_res)
+                worst["unfused_normed_rel"] = rel_error(got_norm, ref_norm)
+                worst["unfused_residual_rel"] = rel_error(got_res, ref_res)
                 continue
             norm_out = torch.full_like(partial, float("nan"))
             if mode == "auto-inplace":
@@ -866,10 +866,10 @@ def run_check(ctx: _Rank, kernel) -> dict:
             ctx.sync()
             if mode == "auto-inplace":
                 worst["auto_oneshot"] = oneshot
-            worst["normed_rel"] = max(worst["normed_rel"], _rel(got_norm, ref_norm))
-            worst["residual_rel"] = max(worst["residual_rel"], _rel(got_res, ref_res))
+            worst["normed_rel"] = max(worst["normed_rel"], rel_error(got_norm, ref_norm))
+            worst["residual_rel"] = max(worst["residual_rel"], rel_error(got_res, ref_res))
             worst["nan"] |= bool(torch.isnan(got_norm).any() or torch.isnan(got_res).any())
-            worst["digests"].append([_digest(got_norm), _digest(got_res)])
+            worst["digests"].append([digest(got_norm), digest(got_res)])
             del parts
         rows.append(worst)
     per_rank = ctx.gather(rows)

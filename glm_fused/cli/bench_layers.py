@@ -1,0 +1,501 @@
+"""Per-layer benchmark: one decoder layer of the torch backend against transformers, side by side.
+
+In one process, on one device, with the same weights in both:
+
+1. the machine's copy bandwidth (a large device-to-device copy; bytes read + written) and
+   its dense matrix rate in the compute dtype (a square matmul);
+2. for each layer kind (the MoE layer and the dense layer of GLM-4.5-Air, real sizes, random
+   weights), prefill of ``--prefill`` tokens and decode at each ``--decode-batches`` batch
+   size after ``--context`` cached tokens, for the project's layer (TP 1, the fused layout,
+   eager PyTorch, no CUDA graphs) and for transformers' ``Glm4MoeDecoderLayer`` (eager
+   PyTorch; its experts both as its per-expert loop and as its ``grouped_mm`` kernel);
+3. each time as a ratio to the step's floor: ``max(bytes / bandwidth, flop / matrix rate)``.
+   Bytes are what the step must read at least once: attention and norm weights, the router,
+   the experts the router actually chose for this batch (counted from the router's output),
+   the shared expert or dense MLP, and the KV cache of the context. FLOP are the matmuls
+   (2 per multiply-add), causal attention counted as half the square.
+
+Also checks that both layers compute the same thing (max relative difference of the
+residual stream after the layer), so a fast wrong layer cannot pass for a fast one.
+
+``python scripts/bench_layers.py`` (defaults: GPU, bf16, prefill 2048, decode 1/8/32 at
+context 512); ``--device cpu --config configs/glm-4.5-air-tiny.json --prefill 64 ...`` runs the
+same code small on a CPU. ``--json OUT`` writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = REPO / "configs" / "glm-4.5-air.json"
+IMPLS = ("ours", "hf-eager", "hf-grouped_mm")
+# transformers' experts implementation per variant ("eager" = its own per-expert loop).
+HF_EXPERTS = {"hf-eager": "eager", "hf-grouped_mm": "grouped_mm"}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench_layers.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+                   help="model config.json (default: GLM-4.5-Air's real sizes)")
+    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--layers", default="moe,dense", help="layer kinds, in order (moe, dense)")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"what to time ({', '.join(IMPLS)})")
+    p.add_argument("--prefill", type=int, default=2048, help="prefill tokens (one sequence; 0 = skip)")
+    p.add_argument("--decode-batches", type=_ints, default=[1, 8, 32], help="decode batch sizes (1,8,32)")
+    p.add_argument("--context", type=int, default=512, help="cached tokens per sequence in decode (512)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10, help="timed calls per decode case (prefill: half)")
+    p.add_argument("--copy-mib", type=int, default=2048, help="buffer size of the bandwidth copy (MiB)")
+    p.add_argument("--matmul-n", type=int, default=8192, help="n of the n x n x n matmul for the matrix rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write every figure here")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    args.layers = [x.strip() for x in args.layers.split(",") if x.strip()]
+    args.impls = [x.strip() for x in args.impls.split(",") if x.strip()]
+    for name, values, allowed in (("--layers", args.layers, ("moe", "dense")), ("--impls", args.impls, IMPLS)):
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            p.error(f"{name}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
+    return args
+
+
+# ---------------------------------------------------------------------------- device basics
+def _device(kind: str):
+    if kind == "gpu":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device gpu: torch sees no CUDA device")
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device, warmup: int, iters: int) -> float:
+    """Mean wall time of one call, after warm-up; the device is drained before and after."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def copy_bandwidth(device, mib: int, iters: int = 20) -> float:
+    """Bytes per second of ``dst.copy_(src)``, counting the bytes read and the bytes written."""
+    n = mib * 2**20
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, warmup=3, iters=iters)
+    return 2 * n / (ms / 1e3)
+
+
+def matmul_rate(device, n: int, dtype, iters: int = 20) -> float:
+    """FLOP per second of an n x n x n matmul in ``dtype`` (2 FLOP per multiply-add)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, generator=g, device=device).to(dtype)
+    b = torch.randn(n, n, generator=g, device=device).to(dtype)
+    ms = time_ms(lambda: a @ b, device, warmup=3, iters=iters)
+    return 2 * n ** 3 / (ms / 1e3)
+
+
+# ---------------------------------------------------------------------------- configs
+def load_config(path: Path, num_hidden_layers: int | None = None):
+    """Our config from a config.json, optionally with fewer layers (the rest unchanged)."""
+    from glm_fused.config import Glm4MoeConfig
+
+    config = Glm4MoeConfig.from_json_file(path)
+    if num_hidden_layers is not None:
+        config = dataclasses.replace(config, num_hidden_layers=num_hidden_layers)
+    return config
+
+
+def hf_config(config, **overrides):
+    """transformers' Glm4MoeConfig with the same values (transformers-5 form), sdpa attention."""
+    import transformers
+
+    raw = config.to_hf_dict(5)
+    raw.pop("architectures", None)
+    raw.pop("model_type", None)
+    raw.update(overrides)
+    cfg = transformers.Glm4MoeConfig(**raw)
+    cfg._attn_implementation = "sdpa"  # what the project's attention uses too
+    return cfg
+
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    """Build modules directly in ``dtype`` (no full-precision copy of 2 B parameters first)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+# ---------------------------------------------------------------------------- the two layers
+def build_ours(config, layer_idx: int, dtype, device, seed: int):
+    """The project's decoder layer at TP 1 in the fused layout, random weights (see fill_random)."""
+    from glm_fused.sharding import TPShard
+    from glm_fused.torch_backend.dist import TPComm
+    from glm_fused.torch_backend.layers.rotary_embedding import RotaryEmbedding
+    from glm_fused.torch_backend.model import Glm4MoeDecoderLayer
+
+    comm = TPComm(0, 1)
+    with torch.device(device):
+        rotary = RotaryEmbedding(config.head_dim, config.rotary_dim, config.max_position_embeddings,
+                                 config.rope_theta)
+        layer = Glm4MoeDecoderLayer(config, layer_idx, TPShard(config, 0, 1), comm, True, rotary, dtype)
+    fill_random(layer, config, seed)
+    return layer.eval()
+
+
+@torch.no_grad()
+def fill_random(module: torch.nn.Module, config, seed: int, std: float = 0.02) -> None:
+    """Random weights that make every piece matter: norms ``1 + 0.2 N(0,1)`` (ones would hide a
+    misplaced norm), biases ``N(0, 0.05)``, a router whose logits spread (std 2.4) so the choice
+    of experts depends on the token, a selection bias ``0.2 U(0,1)``; the rest ``N(0, std)``."""
+    for i, (name, p) in enumerate(module.named_parameters()):
+        g = torch.Generator(device=p.device).manual_seed(seed * 100_003 + i)
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g, device=p.device))
+        elif name.endswith("gate.e_score_correction_bias"):
+            p.copy_(0.2 * torch.rand(p.shape, generator=g, device=p.device))
+        elif name.endswith("mlp.gate.weight"):
+            p.normal_(0.0, 2.4 / config.hidden_size ** 0.5, generator=g)
+        elif name.endswith("bias"):
+            p.normal_(0.0, 0.05, generator=g)
+        else:
+            p.normal_(0.0, std, generator=g)
+
+
+def hf_state_from_ours(ours: torch.nn.Module, hf_keys: set[str]) -> dict[str, torch.Tensor]:
+    """transformers' parameter names -> our tensors, for one decoder layer (fused or per-expert experts)."""
+    sd = dict(ours.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    qkv = ours.self_attn.qkv_proj
+    sizes = [qkv.q_size, qkv.kv_size, qkv.kv_size]
+    for suffix in ("weight", "bias"):
+        if f"self_attn.qkv_proj.{suffix}" in sd:
+            for part, t in zip("qkv", sd[f"self_attn.qkv_proj.{suffix}"].split(sizes)):
+                out[f"self_attn.{part}_proj.{suffix}"] = t
+    for name in ("self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                 "input_layernorm.weight", "post_attention_layernorm.weight",
+                 "mlp.gate.weight", "mlp.gate.e_score_correction_bias"):
+        if name in sd:
+            out[name] = sd[name]
+
+    def swiglu(dst: str, src: str) -> None:
+        gate, up = sd[f"{src}gate_up_proj.weight"].chunk(2, dim=0)
+        out.update({f"{dst}gate_proj.weight": gate, f"{dst}up_proj.weight": up,
+                    f"{dst}down_proj.weight": sd[f"{src}down_proj.weight"]})
+
+    if "mlp.experts.gate_up_proj" in sd:
+        gate_up, down = sd["mlp.experts.gate_up_proj"], sd["mlp.experts.down_proj"]
+        if "mlp.experts.gate_up_proj" in hf_keys:  # transformers 5: stacked [E, 2I, H] and [E, H, I]
+            out["mlp.experts.gate_up_proj"], out["mlp.experts.down_proj"] = gate_up, down
+        else:
+            for e in range(gate_up.shape[0]):
+                gate, up = gate_up[e].chunk(2, dim=0)
+                out.update({f"mlp.experts.{e}.gate_proj.weight": gate, f"mlp.experts.{e}.up_proj.weight": up,
+                            f"mlp.experts.{e}.down_proj.weight": down[e]})
+        swiglu("mlp.shared_experts.", "mlp.shared_experts.")
+    else:
+        swiglu("mlp.", "mlp.")
+    return out
+
+
+@torch.no_grad()
+def build_hf(config, layer_idx: int, ours: torch.nn.Module, dtype, device):
+    """transformers' decoder layer (and its rotary embedding) holding exactly our layer's weights."""
+    from transformers.models.glm4_moe import modeling_glm4_moe as hfm
+
+    cfg = hf_config(config)
+    with torch.device(device):
+        with default_dtype(dtype):
+            layer = hfm.Glm4MoeDecoderLayer(cfg, layer_idx)
+        rotary = hfm.Glm4MoeRotaryEmbedding(config=cfg)
+    if config.is_moe_layer(layer_idx):
+        layer.mlp.gate.float()  # fp32 router, as transformers keeps it when loading a checkpoint
+    target = layer.state_dict()
+    source = hf_state_from_ours(ours, set(target))
+    missing, extra = sorted(set(target) - set(source)), sorted(set(source) - set(target))
+    if missing or extra:
+        raise RuntimeError(f"weight mapping to transformers' layer: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, t in source.items():
+        if tuple(target[name].shape) != tuple(t.shape):
+            raise RuntimeError(f"{name}: transformers {list(target[name].shape)} vs ours {list(t.shape)}")
+        target[name].copy_(t)
+    return layer.eval(), rotary, cfg
+
+
+def _cache_keyword() -> str:
+    """transformers renamed the decoder layer's ``past_key_values`` to ``cache`` (5.2x)."""
+    import inspect
+
+    from transformers.models.glm4_moe import modeling_glm4_moe as hfm
+
+    params = inspect.signature(hfm.Glm4MoeDecoderLayer.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+# ---------------------------------------------------------------------------- the floor
+def layer_cost(config, moe: bool, *, tokens: int, seqs: int, context: int, experts_hit: int,
+               itemsize: int) -> dict:
+    """Least bytes one step must move and the matmul FLOP it must do, for one layer at TP 1.
+
+    ``tokens`` new tokens in ``seqs`` sequences, each after ``context`` cached tokens (prefill:
+    one sequence, context 0, causal attention over its own tokens)."""
+    c = config
+    H, D, nh, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    qkv_out = (nh + 2 * nkv) * D
+    attn_params = qkv_out * H + H * nh * D
+    small = 2 * H + (qkv_out if c.attention_bias else 0) + (2 * D if c.use_qk_norm else 0)
+    weight_bytes = (attn_params + small) * itemsize
+    flop = 2 * tokens * attn_params
+    keys = context + tokens // seqs  # keys each sequence attends to (its new ones included)
+    if context == 0 and tokens > seqs:  # causal prefill: on average half the square
+        flop += 2 * 2 * nh * D * tokens * (tokens // seqs + 1) // 2
+    else:
+        flop += 2 * 2 * nh * D * tokens * keys
+    kv_bytes = seqs * keys * nkv * D * 2 * itemsize
+    act_bytes = 2 * tokens * H * itemsize  # layer input in, stream out
+    if moe:
+        E, Im, Is, k = c.n_routed_experts, c.moe_intermediate_size, c.shared_intermediate_size, c.num_experts_per_tok
+        weight_bytes += E * H * 4 + E * 4                       # fp32 router + correction bias
+        weight_bytes += experts_hit * 3 * Im * H * itemsize     # only the experts chosen
+        weight_bytes += 3 * Is * H * itemsize                   # shared expert
+        flop += 2 * tokens * (E * H + k * 3 * Im * H + 3 * Is * H)
+    else:
+        weight_bytes += 3 * c.intermediate_size * H * itemsize
+        flop += 2 * tokens * 3 * c.intermediate_size * H
+    return {"bytes": weight_bytes + kv_bytes + act_bytes, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+            "flop": flop}
+
+
+# ---------------------------------------------------------------------------- one case
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    out, ref = out.float().reshape(-1, out.shape[-1]), ref.float().reshape(-1, ref.shape[-1])
+    diff = (out - ref).abs()
+    rows = diff.amax(-1) / ref.abs().amax(-1).clamp_min(1e-30)
+    return {"max_rel": float(diff.max() / ref.abs().max().clamp_min(1e-30)),
+            "row_rel_p50": float(rows.median()), "row_rel_p99": float(torch.quantile(rows, 0.99)),
+            "nan": bool(torch.isnan(out).any())}
+
+
+def run_case(config, kind: str, step: str, ours, hf, rotary, args, device, dtype) -> dict:
+    """Time one (layer, step) for every implementation; check ours against transformers once."""
+    from glm_fused.batch import ForwardBatch
+    from glm_fused.torch_backend.layers.attention import AttentionMetadata
+
+    layer_idx = config.first_k_dense_replace if kind == "moe" else 0
+    H, D, nkv = config.hidden_size, config.head_dim, ours.self_attn.num_kv_heads
+    g = torch.Generator(device=device).manual_seed(args.seed + 17)
+    if step == "prefill":
+        T, B, C = args.prefill, 1, 0
+        batch = ForwardBatch.prefill([[0] * T], slots=[0])
+        hidden = torch.randn(T, H, generator=g, device=device).to(dtype)
+        hf_x = hidden[None]
+        position_ids = torch.arange(T, device=device)[None]
+        cache_len = T
+    else:
+        B, C = int(step.split("-b")[1]), args.context
+        T = B
+        batch = ForwardBatch.decode([0] * B, [C] * B, list(range(B)))
+        hidden = torch.randn(B, H, generator=g, device=device).to(dtype)
+        hf_x = hidden[:, None, :]
+        position_ids = torch.full((B, 1), C, device=device)
+        cache_len = C + 1
+    positions = torch.as_tensor(batch.positions, device=device)
+    meta = AttentionMetadata.from_batch(batch, device)
+    k_cache = torch.randn(B, cache_len, nkv, D, generator=g, device=device).to(dtype)
+    v_cache = torch.randn(B, cache_len, nkv, D, generator=g, device=device).to(dtype)
+    kw = _cache_keyword() if hf is not None else None
+
+    def hf_cache():
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache()
+        if C:  # the same context the project's cache holds, [B, kv_heads, C, D]
+            cache.update(k_cache[:, :C].transpose(1, 2).contiguous(), v_cache[:, :C].transpose(1, 2).contiguous(),
+                         layer_idx)
+        return cache
+
+    pe = rotary(hf_x, position_ids) if rotary is not None else None
+    hit = {}
+
+    def record(_module, _inputs, output):
+        hit["n"] = int(torch.unique(output[1]).numel())
+
+    handle = ours.mlp.gate.register_forward_hook(record) if kind == "moe" else None
+
+    def run_ours():
+        out, residual = ours(positions, hidden, None, meta, (k_cache, v_cache))
+        return out, residual
+
+    with torch.inference_mode():
+        out, residual = run_ours()
+        ours_stream = out + residual  # the residual stream after the layer, as transformers returns it
+    if handle is not None:
+        handle.remove()
+    res = {"layer": kind, "step": step, "tokens": T, "seqs": B, "context": C,
+           "experts_hit": hit.get("n"), "impls": {}}
+    cost = layer_cost(config, kind == "moe", tokens=T, seqs=B, context=C, experts_hit=hit.get("n") or 0,
+                      itemsize=hidden.element_size())
+    res.update(cost)
+    bw, rate = args.bandwidth, args.matrix_rate
+    res["floor_ms_bytes"] = cost["bytes"] / bw * 1e3
+    res["floor_ms_flop"] = cost["flop"] / rate * 1e3
+    res["floor_ms"] = max(res["floor_ms_bytes"], res["floor_ms_flop"])
+    res["bound"] = "HBM" if res["floor_ms_bytes"] >= res["floor_ms_flop"] else "compute"
+    iters = args.iters if step != "prefill" else max(2, args.iters // 2)
+    for impl in args.impls:
+        entry = {}
+        try:
+            with torch.inference_mode():
+                if impl == "ours":
+                    fn = run_ours
+                else:
+                    hf.mlp.config._experts_implementation = HF_EXPERTS[impl] if kind == "moe" else "eager"
+                    check = hf(hf_x, attention_mask=None, position_ids=position_ids, use_cache=True,
+                               position_embeddings=pe, **{kw: hf_cache()})
+                    entry["vs_ours"] = _rel(ours_stream, check)  # same weights, same inputs
+                    timed_cache = hf_cache()  # grows by one token per decode call: < 3% of the context
+
+                    def fn(cache=timed_cache):
+                        c = cache if step != "prefill" else hf_cache()  # prefill: a fresh, empty cache
+                        return hf(hf_x, attention_mask=None, position_ids=position_ids, use_cache=True,
+                                  position_embeddings=pe, **{kw: c})
+                entry["ms"] = time_ms(fn, device, args.warmup, iters)
+                entry["x_floor"] = entry["ms"] / res["floor_ms"]
+        except Exception as exc:  # one implementation failing must not hide the others
+            entry["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        res["impls"][impl] = entry
+    ours_ms = res["impls"].get("ours", {}).get("ms")
+    for impl, entry in res["impls"].items():
+        if impl != "ours" and ours_ms and entry.get("ms"):
+            entry["ours_speedup"] = entry["ms"] / ours_ms
+    return res
+
+
+# ---------------------------------------------------------------------------- driver
+def run(args) -> dict:
+    """Measure the machine, then every (layer, step) case; print the table; return every figure."""
+    device = _device(args.device)
+    dtype = getattr(torch, args.dtype)
+    config = load_config(args.config, num_hidden_layers=max(2, 1 + load_config(args.config).first_k_dense_replace))
+    out = {"config": str(args.config), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "dtype": args.dtype, "torch": torch.__version__, "prefill": args.prefill, "context": args.context,
+           "decode_batches": args.decode_batches, "warmup": args.warmup, "iters": args.iters}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        args.impls = [i for i in args.impls if i == "ours"]
+    args.bandwidth = copy_bandwidth(device, args.copy_mib)
+    args.matrix_rate = matmul_rate(device, args.matmul_n, dtype)
+    out["copy_bandwidth_GBps"] = args.bandwidth / 1e9
+    out["matrix_TFLOPs"] = args.matrix_rate / 1e12
+    print(f"device {out['device']}, {args.dtype}: copy bandwidth {args.bandwidth / 1e9:.0f} GB/s "
+          f"(read + write, {args.copy_mib} MiB buffers), matmul {args.matrix_rate / 1e12:.1f} TFLOP/s "
+          f"({args.matmul_n}^3)", flush=True)
+    steps = (["prefill"] if args.prefill else []) + [f"decode-b{b}" for b in args.decode_batches]
+    cases = []
+    for kind in args.layers:
+        if kind == "dense" and config.first_k_dense_replace == 0:
+            continue
+        layer_idx = config.first_k_dense_replace if kind == "moe" else 0
+        t0 = time.perf_counter()
+        ours = build_ours(config, layer_idx, dtype, device, args.seed)
+        hf = rotary = None
+        if any(i != "ours" for i in args.impls):
+            hf, rotary, _ = build_hf(config, layer_idx, ours, dtype, device)
+        print(f"built the {kind} layer (index {layer_idx}) in {time.perf_counter() - t0:.1f} s", flush=True)
+        for step in steps:
+            case = run_case(config, kind, step, ours, hf, rotary, args, device, dtype)
+            cases.append(case)
+            _print_case(case)
+        del ours, hf
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out["cases"] = cases
+    print()
+    print_table(out)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def _print_case(case: dict) -> None:
+    parts = []
+    for impl, e in case["impls"].items():
+        parts.append(f"{impl} {e['ms']:.3f} ms" if "ms" in e else f"{impl} FAILED ({e['error'][:80]})")
+    print(f"  {case['layer']:5} {case['step']:11} floor {case['floor_ms']:.3f} ms: " + ", ".join(parts), flush=True)
+
+
+def print_table(out: dict) -> None:
+    impls = []
+    for case in out["cases"]:
+        impls += [i for i in case["impls"] if i not in impls]
+    header = ["layer", "step", "tokens", "experts hit", "floor ms", "bound"]
+    for impl in impls:
+        header += [f"{impl} ms", "x floor"]
+    header += [f"ours vs {i}" for i in impls if i != "ours"]
+    header += [f"{i} max rel" for i in impls if i != "ours"]
+    rows = []
+    for c in out["cases"]:
+        row = [c["layer"], c["step"], c["tokens"], "-" if c["experts_hit"] is None else c["experts_hit"],
+               f"{c['floor_ms']:.3f}", c["bound"]]
+        for impl in impls:
+            e = c["impls"].get(impl, {})
+            row += [f"{e['ms']:.3f}", f"{e['x_floor']:.1f}"] if "ms" in e else ["failed", "-"]
+        row += [f"{c['impls'][i]['ours_speedup']:.2f}x" if "ours_speedup" in c["impls"].get(i, {}) else "-"
+                for i in impls if i != "ours"]
+        row += [f"{c['impls'][i]['vs_ours']['max_rel']:.1e}" if "vs_ours" in c["impls"].get(i, {}) else "-"
+                for i in impls if i != "ours"]
+        rows.append(row)
+    rows = [[str(x) for x in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    for r in rows:
+        print("  ".join(x.ljust(w) for x, w in zip(r, widths)))
+    print(f"floor = max(bytes / {out['copy_bandwidth_GBps']:.0f} GB/s, FLOP / {out['matrix_TFLOPs']:.0f} TFLOP/s); "
+          "'ours vs X' = X ms / ours ms (above 1: ours is faster); max rel = max|ours - X| / max|X| of the "
+          "layer's output stream", flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
