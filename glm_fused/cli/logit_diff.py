@@ -19,10 +19,11 @@ import numpy as np
 from glm_fused.errors import UserError
 
 # Defaults of the pass/fail rule, per compute dtype. fp32: the two layouts differ only by the
-# order of additions (~1e-6 of the largest logit). bf16: each layout rounds its residual
-# stream at different points, so a few percent of the logit scale and rare top-1 flips.
-DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2}
-DEFAULT_MIN_TOP1 = {"float32": 0.99, "bfloat16": 0.9, "float16": 0.9}
+# order of additions (~1e-6 of the largest logit). bf16: one bf16 path alone is up to ~5e-2
+# (max rel) and ~5% of top-1 from fp32 at GLM-4.5-Air's width (docs/gpu-results.md), and the
+# two layouts round at different points, so they may differ by up to about twice that.
+DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-1, "float16": 1e-1}
+DEFAULT_MIN_TOP1 = {"float32": 0.99, "bfloat16": 0.85, "float16": 0.85}
 DEFAULT_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
