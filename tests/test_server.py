@@ -550,3 +550,33 @@ def test_bench_serve_reports_side_by_side(fake_server, tmp_path, capsys):
     assert [r["requests"] for r in results] == [12, 12]           # 2 rounds x 6, warm-up excluded
     assert [r["output_tokens"] for r in results] == [48, 48]      # exactly --output-len each
     assert all(r["ttft_median_ms"] > 0 and r["tpot_median_ms"] > 0 for r in results)
+
+
+# ---- the torch backend behind the same server ------------------------------------------------
+@pytest.mark.timeout(300)
+def test_torch_backend_serves_the_same_greedy_tokens(tmp_path):
+    """--backend torch at TP 2: the openai client gets answers, streamed and not, and greedy
+    tokens equal the Paddle backend's (fp32 on CPU: the two differ by ~1e-6 of a logit)."""
+    pytest.importorskip("torch")
+    servers = {name: Server(2, tmp_path / f"{name}.log", ["--backend", name]) for name in ("torch", "paddle")}
+    try:
+        for srv in servers.values():
+            srv.wait_ready()
+        models = servers["torch"].client().models.list().data
+        assert models[0].id == MODEL
+        tokens = {name: [complete(srv, p, max_tokens=6)[1] for p in PROMPTS[:3]] for name, srv in servers.items()}
+        assert tokens["torch"] == tokens["paddle"]
+        chat = servers["torch"].client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=5, temperature=0)
+        assert chat.usage.completion_tokens == 5 and chat.choices[0].finish_reason == "length"
+        streamed = "".join(c.choices[0].text for c in servers["torch"].client().completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, stream=True))
+        assert streamed == complete(servers["torch"], PROMPTS[0], max_tokens=6)[0]
+        assert metric(servers["torch"], "allreduce_calls_total", '{kind="fused_allreduce_norm_calls"}') > 0
+        assert metric(servers["torch"], "allreduce_calls_total", '{kind="plain_allreduce_calls"}') == 0
+        assert "backend=torch" in servers["torch"].output()
+    finally:
+        for srv in servers.values():
+            srv.close()
+    for srv in servers.values():
+        assert not any(alive(pid) for pid in srv.ranks)
