@@ -262,3 +262,28 @@ def _progress(total: int):
     except ImportError:  # progress is a nicety, never a requirement
         return None
     return tqdm(total=total, desc="loading weights", unit="tensor", dynamic_ncols=True)
+
+
+def load_rank_weights(model_dir: str | Path, config: Glm4MoeConfig, shard: TPShard,
+                      shapes: dict[str, tuple[int, ...]], assign, progress: bool = False) -> None:
+    """Read this rank's weights and hand each to ``assign(name, array)``, strictly.
+
+    ``shapes`` are the model's own parameters (name -> shape on this rank): every one must be
+    assigned exactly once, with its shape, and the plan may name no other. The backend's
+    ``assign`` only copies (and casts) the float32 array into its tensor.
+    """
+    loaded: set[str] = set()
+    for name, array in iter_rank_weights(Checkpoint(model_dir), config, shard, progress=progress):
+        if name not in shapes:
+            raise UserError(f"{model_dir}: the load plan names {name!r}, which the model has no parameter for")
+        if name in loaded:
+            raise UserError(f"{model_dir}: parameter {name!r} would be loaded twice")
+        if tuple(array.shape) != tuple(shapes[name]):
+            raise UserError(f"{model_dir}: tensor for {name!r} has shape {list(array.shape)}, "
+                            f"the parameter on rank {shard.rank} is {list(shapes[name])}")
+        assign(name, array)
+        loaded.add(name)
+    missing = sorted(set(shapes) - loaded)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UserError(f"{model_dir}: no weights loaded for parameter {missing[0]!r}{more}")

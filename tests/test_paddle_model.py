@@ -332,7 +332,7 @@ def test_loader_truncated_file(checkpoints, tmp_path):
 
 def test_loader_requires_each_parameter_exactly_once(checkpoints, tmp_path, monkeypatch):
     """The loader's own bookkeeping, with the load plan bent to skip or repeat a tensor."""
-    from glm_fused.paddle_backend import loader
+    from glm_fused import checkpoint as loader  # the bookkeeping both backends' loaders share
 
     d = _broken_copy(checkpoints, tmp_path, None)
     real = loader.iter_rank_weights

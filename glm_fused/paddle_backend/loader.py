@@ -13,36 +13,22 @@ from pathlib import Path
 import paddle
 from paddle import nn
 
-from glm_fused.checkpoint import Checkpoint, expected_shapes, iter_rank_weights
+from glm_fused.checkpoint import expected_shapes, load_rank_weights
 from glm_fused.config import Glm4MoeConfig
-from glm_fused.errors import UserError
 from glm_fused.sharding import TPShard
-
-
-def _more(names: list[str]) -> str:
-    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
 @paddle.no_grad()
 def load_weights(model: nn.Layer, model_dir: str | Path, config: Glm4MoeConfig, shard: TPShard,
                  progress: bool = True) -> None:
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    for name, array in iter_rank_weights(Checkpoint(model_dir), config, shard, progress=progress):
-        param = params.get(name)
-        if param is None:
-            raise UserError(f"{model_dir}: the load plan names {name!r}, which the model has no parameter for")
-        if name in loaded:
-            raise UserError(f"{model_dir}: parameter {name!r} would be loaded twice")
-        if tuple(array.shape) != tuple(param.shape):
-            raise UserError(f"{model_dir}: tensor for {name!r} has shape {list(array.shape)}, "
-                            f"the parameter on rank {shard.rank} is {list(param.shape)}")
+
+    def assign(name, array):
         # float32 host array -> device, then the cast (numpy has no bfloat16).
-        param.set_value(paddle.to_tensor(array, dtype="float32").astype(param.dtype))
-        loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise UserError(f"{model_dir}: no weights loaded for parameter {missing[0]!r}{_more(missing)}")
+        params[name].set_value(paddle.to_tensor(array, dtype="float32").astype(params[name].dtype))
+
+    load_rank_weights(model_dir, config, shard, {n: tuple(p.shape) for n, p in params.items()}, assign,
+                      progress)
 
 
 @paddle.no_grad()
