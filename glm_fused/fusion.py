@@ -322,3 +322,20 @@ class CommBackendBase:
 
     def _barrier(self) -> None:
         raise NotImplementedError
+
+
+def pick_for_call(comm, *, dtype: str, num_tokens: int) -> str:
+    """The implementation of one fused call, counted and (once per reason) logged.
+
+    ``comm`` is a backend's TP communicator: ``kernel_env`` (None before start-up set it),
+    ``kernel`` (the workspace-holding FlashInfer object or None), ``stats``, ``fallback_log``.
+    """
+    impl, reason = "reference", None
+    if comm.kernel_env is not None:
+        impl, reason = choose_impl(comm.kernel_env, dtype=dtype, num_tokens=num_tokens)
+        if impl == "flashinfer" and comm.kernel is None:  # a policy that says yes without a workspace
+            impl, reason = "reference", "no FlashInfer workspace on this rank"
+    if reason:
+        comm.fallback_log.log_once(reason)
+    comm.stats.record(impl, reason)
+    return impl

@@ -2,7 +2,7 @@
 
 ``fused_allreduce_residual_rmsnorm(partial, residual, weight, eps, comm)`` returns
 ``(rmsnorm(allreduce(partial) + residual) * weight, allreduce(partial) + residual)``.
-Per call, ``glm_fused.fusion.choose_impl`` picks FlashInfer's one-kernel version (GPU, made
+Per call, ``glm_fused.fusion.pick_for_call`` picks FlashInfer's one-kernel version (GPU, made
 at start-up, held by ``comm``) or the reference below; both give the same maths.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from glm_fused.fusion import choose_impl
+from glm_fused.fusion import pick_for_call
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,15 +42,7 @@ def fused_allreduce_residual_rmsnorm(partial: torch.Tensor, residual: torch.Tens
 
     ``partial`` is consumed (the reference all-reduces it in place).
     """
-    impl, reason = "reference", None
-    if comm.kernel_env is not None:
-        impl, reason = choose_impl(comm.kernel_env, dtype=_dtype_name(partial.dtype),
-                                   num_tokens=partial.shape[0])
-        if impl == "flashinfer" and comm.kernel is None:  # a policy that says yes without a workspace
-            impl, reason = "reference", "no FlashInfer workspace on this rank"
-    if reason:
-        comm.fallback_log.log_once(reason)
-    comm.stats.record(impl, reason)
+    impl = pick_for_call(comm, dtype=_dtype_name(partial.dtype), num_tokens=partial.shape[0])
     if impl == "flashinfer":
         if residual is None:
             residual = torch.zeros_like(partial)
