@@ -257,7 +257,6 @@ def _free_port() -> int:
 
 def _reference_allreduce_norm(partial, residual, weight, eps, group):
     """The fallback path of a rank: fp32 all-reduce through gloo (host), add, RMSNorm."""
-    import torch
     import torch.distributed as dist
 
     summed = partial.float().cpu()
