@@ -80,3 +80,31 @@ class ForwardBatch:
             values[name] = arr[offset:offset + size]
             offset += int(size)
         return cls(**values)
+
+
+@dataclass
+class AttentionPlan:
+    """Host-side attention bookkeeping of one batch (numpy), shared by every layer and backend.
+
+    ``masks[s]`` is ``[query_len, context_len + query_len]``, True where query i (at position
+    ``context_len + i``) may see a key; None for a single query, which sees the whole prefix.
+    ``decode_visible`` is ``[S, longest context + 1]`` when every sequence decodes one token,
+    so all of them can attend in one call over keys padded to the longest.
+    """
+
+    token_slots: np.ndarray                   # [T] cache slot of each token
+    seqs: list[tuple[int, int, int, int]]     # (slot, context_len, query_len, first token) per sequence
+    masks: list[np.ndarray | None]
+    decode_visible: np.ndarray | None
+
+
+def attention_plan(batch: ForwardBatch) -> AttentionPlan:
+    seqs = list(zip(batch.slots.tolist(), batch.context_lens.tolist(), batch.query_lens.tolist(),
+                    batch.seq_starts.tolist()))
+    masks = [None if n == 1 else np.arange(context + n)[None, :] <= np.arange(n)[:, None] + context
+             for _, context, n, _ in seqs]
+    decode_visible = None
+    if batch.num_seqs > 1 and bool(np.all(batch.query_lens == 1)):
+        lengths = batch.context_lens + 1
+        decode_visible = np.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    return AttentionPlan(np.repeat(batch.slots, batch.query_lens), seqs, masks, decode_visible)

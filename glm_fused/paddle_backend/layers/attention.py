@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from glm_fused.batch import ForwardBatch
+from glm_fused.batch import ForwardBatch, attention_plan
 
 
 @dataclass
@@ -32,23 +31,12 @@ class AttentionMetadata:
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch) -> "AttentionMetadata":
-        token_slots = np.repeat(batch.slots, batch.query_lens)
-        seqs = list(zip(batch.slots.tolist(), batch.context_lens.tolist(), batch.query_lens.tolist(),
-                        batch.seq_starts.tolist()))
-        # Masks are built once here (numpy, host) and shared by every layer.
-        masks = []
-        for _, context, n, _ in seqs:
-            if n == 1:  # a single query sees the whole cached prefix and itself
-                masks.append(None)
-                continue
-            rows = np.arange(n)[:, None] + context
-            masks.append(paddle.to_tensor(np.arange(context + n)[None, :] <= rows))
-        meta = cls(paddle.to_tensor(token_slots), paddle.to_tensor(batch.positions), seqs, masks)
-        if batch.num_seqs > 1 and bool(np.all(batch.query_lens == 1)):
-            lengths = batch.context_lens + 1
-            visible = np.arange(int(lengths.max()))[None, :] < lengths[:, None]
+        plan = attention_plan(batch)
+        masks = [None if m is None else paddle.to_tensor(m) for m in plan.masks]
+        meta = cls(paddle.to_tensor(plan.token_slots), paddle.to_tensor(batch.positions), plan.seqs, masks)
+        if plan.decode_visible is not None:
             meta.decode_slots = paddle.to_tensor(batch.slots)
-            meta.decode_mask = paddle.to_tensor(visible)[:, None, None, :]
+            meta.decode_mask = paddle.to_tensor(plan.decode_visible)[:, None, None, :]
         return meta
 
 

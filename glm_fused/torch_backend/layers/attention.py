@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glm_fused.batch import ForwardBatch
+from glm_fused.batch import ForwardBatch, attention_plan
 
 
 @dataclass
@@ -33,24 +32,15 @@ class AttentionMetadata:
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch, device: torch.device) -> "AttentionMetadata":
-        token_slots = np.repeat(batch.slots, batch.query_lens)
-        seqs = list(zip(batch.slots.tolist(), batch.context_lens.tolist(), batch.query_lens.tolist(),
-                        batch.seq_starts.tolist()))
-        # Masks are built once here (numpy, host) and shared by every layer.
-        masks = []
-        for _, context, n, _ in seqs:
-            if n == 1 or context == 0:  # one query sees everything; a fresh prompt is plain causal
-                masks.append(None)
-                continue
-            rows = np.arange(n)[:, None] + context  # query i sits at position context + i
-            masks.append(torch.as_tensor(np.arange(context + n)[None, :] <= rows, device=device))
-        meta = cls(torch.as_tensor(token_slots, device=device), torch.as_tensor(batch.positions, device=device),
-                   seqs, masks)
-        if batch.num_seqs > 1 and bool(np.all(batch.query_lens == 1)):
-            lengths = batch.context_lens + 1
-            visible = np.arange(int(lengths.max()))[None, :] < lengths[:, None]
+        plan = attention_plan(batch)
+        # A fresh prompt (no cached context) is plain causal: SDPA's is_causal needs no mask.
+        masks = [None if m is None or context == 0 else torch.as_tensor(m, device=device)
+                 for (_, context, _, _), m in zip(plan.seqs, plan.masks)]
+        meta = cls(torch.as_tensor(plan.token_slots, device=device), torch.as_tensor(batch.positions, device=device),
+                   plan.seqs, masks)
+        if plan.decode_visible is not None:
             meta.decode_slots = torch.as_tensor(batch.slots, device=device)
-            meta.decode_mask = torch.as_tensor(visible, device=device)[:, None, None, :]
+            meta.decode_mask = torch.as_tensor(plan.decode_visible, device=device)[:, None, None, :]
         return meta
 
 
