@@ -25,7 +25,7 @@ from glm_fused.batch import ForwardBatch
 from glm_fused.config import Glm4MoeConfig
 from glm_fused.errors import UserError
 from glm_fused.sharding import TPShard
-from glm_fused.torch_backend import dist
+from glm_fused.torch_backend import dist, kernels
 from glm_fused.torch_backend.layers.attention import Attention, AttentionMetadata
 from glm_fused.torch_backend.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from glm_fused.torch_backend.layers.layernorm import RMSNorm, fused_allreduce_residual_rmsnorm
@@ -79,8 +79,12 @@ class Glm4MoeAttention(nn.Module):
         if self.use_qk_norm:
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v, meta, kv_cache)
+        if kernels.enabled(x):  # one launch rotates q and k and writes k, v to the cache
+            q = self.rotary_emb.rotate_and_store(positions, meta.token_slots, q, k, v, kv_cache)
+            o = self.attn(q, None, None, meta, kv_cache)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
+            o = self.attn(q, k, v, meta, kv_cache)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
@@ -133,11 +137,17 @@ class Glm4MoeModel(nn.Module):
                 kv_caches: list) -> torch.Tensor:
         """Hidden states ``[len(batch.logits_indices), H]`` after the final norm."""
         meta = AttentionMetadata.from_batch(batch, input_ids.device)
+        hidden = self.forward_hidden(input_ids, positions, meta, kv_caches)
+        return hidden[torch.as_tensor(batch.logits_indices, device=hidden.device)]
+
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list) -> torch.Tensor:
+        """Normed hidden states of every token; only device work (what a CUDA graph captures)."""
         hidden, residual = self.embed_tokens(input_ids), None  # residual is zero before layer 0
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, meta, kv_cache)
         hidden, _ = add_norm(self.norm, hidden, residual, self.fused, self.comm)
-        return hidden[torch.as_tensor(batch.logits_indices, device=hidden.device)]
+        return hidden
 
     @property
     def device(self) -> torch.device:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm_fused.batch import ForwardBatch, attention_plan
+from glm_fused.torch_backend import kernels
 
 
 @dataclass
@@ -27,8 +28,16 @@ class AttentionMetadata:
     seqs: list[tuple[int, int, int, int]]  # (slot, context_len, query_len, first token) per sequence
     masks: list[torch.Tensor | None]       # per sequence: [query_len, keys] True where visible, for
                                            # chunked prefill only (else causal or a single query)
-    decode_slots: torch.Tensor | None = None  # all query_len == 1: batched decode over padded keys
-    decode_mask: torch.Tensor | None = None   # [S, 1, 1, max_len] True where a key is visible
+    decode_slots: torch.Tensor | None = None  # all query_len == 1: each sequence's cache slot [S]
+    seq_lens: torch.Tensor | None = None      # all query_len == 1: keys each query sees [S]
+    decode_mask: torch.Tensor | None = None   # S > 1 decodes, eager path: [S, 1, 1, max_len] visible keys
+
+    @classmethod
+    def for_decode(cls, slots: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor
+                   ) -> "AttentionMetadata":
+        """All-device metadata of a decode step (one token per sequence), for the Triton
+        decode kernel; what a CUDA graph captures (no host-side lists)."""
+        return cls(slots, positions, [], [], decode_slots=slots, seq_lens=seq_lens)
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch, device: torch.device) -> "AttentionMetadata":
@@ -38,8 +47,10 @@ class AttentionMetadata:
                  for (_, context, _, _), m in zip(plan.seqs, plan.masks)]
         meta = cls(torch.as_tensor(plan.token_slots, device=device), torch.as_tensor(batch.positions, device=device),
                    plan.seqs, masks)
-        if plan.decode_visible is not None:
+        if bool((batch.query_lens == 1).all()):
             meta.decode_slots = torch.as_tensor(batch.slots, device=device)
+            meta.seq_lens = torch.as_tensor(batch.context_lens + 1, device=device)
+        if plan.decode_visible is not None:
             meta.decode_mask = torch.as_tensor(plan.decode_visible, device=device)[:, None, None, :]
         return meta
 
@@ -51,12 +62,20 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``q [T, heads, D]``, ``k``/``v`` ``[T, kv_heads, D]`` -> ``[T, heads, D]``."""
+        """``q [T, heads, D]``, ``k``/``v`` ``[T, kv_heads, D]`` -> ``[T, heads, D]``.
+
+        ``k = v = None``: the new keys and values are already in the cache (the RoPE kernel
+        wrote them)."""
         k_cache, v_cache = kv_cache
-        k_cache[meta.token_slots, meta.positions] = k
-        v_cache[meta.token_slots, meta.positions] = v
+        if k is not None:
+            k_cache[meta.token_slots, meta.positions] = k
+            v_cache[meta.token_slots, meta.positions] = v
+        if meta.seq_lens is not None and kernels.enabled(q):
+            from glm_fused.torch_backend.kernels.decode_attention import decode_attention
+
+            return decode_attention(q, k_cache, v_cache, meta.decode_slots, meta.seq_lens, self.scale)
         if meta.decode_mask is not None:
             return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from glm_fused.fusion import pick_for_call
+from glm_fused.torch_backend import kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,6 +31,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Classic layout: ``(norm(x + residual), x + residual)``; no residual means it starts here."""
+        if kernels.enabled(x):
+            return _add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return rms_norm(x, self.weight, self.eps), x
@@ -54,9 +57,17 @@ def _reference(partial, residual, weight, eps, comm):
     # The all-reduce runs in the model dtype like the plain path; the add rounds to the model
     # dtype exactly as the classic ``x + residual`` does, so reference == classic layout.
     summed = comm.all_reduce_uncounted(partial)
+    if kernels.enabled(summed):
+        return _add_rmsnorm(summed, residual, weight, eps)
     if residual is not None:
         summed = summed + residual
     return rms_norm(summed, weight, eps), summed
+
+
+def _add_rmsnorm(x, residual, weight, eps):
+    from glm_fused.torch_backend.kernels.rmsnorm import add_rmsnorm
+
+    return add_rmsnorm(x, residual, weight, eps)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

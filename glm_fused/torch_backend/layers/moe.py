@@ -13,6 +13,7 @@ from torch import nn
 
 from glm_fused.config import Glm4MoeConfig
 from glm_fused.sharding import TPShard
+from glm_fused.torch_backend import kernels
 from glm_fused.torch_backend.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -27,6 +28,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
+        if kernels.enabled(x):
+            from glm_fused.torch_backend.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -45,9 +50,25 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(E, config.hidden_size, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, H]`` -> ``(weights [T, top_k] fp32, expert ids [T, top_k])``."""
-        scores = F.linear(x.float(), self.weight).sigmoid()
+    def forward(self, x: torch.Tensor, append_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` -> ``(weights [T, top_k] fp32, expert ids [T, top_k])``.
+
+        ``append_shared``: one more column, id E (the shared expert) with weight 1."""
+        logits = F.linear(x.float(), self.weight)
+        if self.n_group == 1 and kernels.enabled(x):
+            from glm_fused.torch_backend.kernels.fused_moe import router_topk
+
+            return router_topk(logits, self.e_score_correction_bias, self.top_k, self.norm_topk_prob, self.scale,
+                               append_shared=append_shared)
+        weights, ids = self._route(logits)
+        if append_shared:
+            T, E = logits.shape
+            weights = torch.cat([weights, weights.new_ones(T, 1)], dim=1)
+            ids = torch.cat([ids, ids.new_full((T, 1), E)], dim=1)
+        return weights, ids
+
+    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
             T, E = choice.shape
@@ -65,19 +86,36 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """Stacked expert weights; runs only the experts that received tokens."""
+    """Stacked expert weights; runs only the experts that received tokens.
+
+    On CUDA the Triton fused MoE (``kernels/fused_moe.py``); else a loop over the experts hit.
+    """
 
     def __init__(self, expert_range: tuple[int, int], hidden_size: int, intermediate_size_local: int,
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         self.first, self.last = expert_range
+        self.partial = None  # set by MoE: True when this rank holds only some of the experts
         n = self.last - self.first
         self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * intermediate_size_local, hidden_size, dtype=dtype),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(n, hidden_size, intermediate_size_local, dtype=dtype),
                                       requires_grad=False)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                shared: torch.Tensor | None = None, shared_weights=None) -> torch.Tensor:
+        """Weighted sum of each token's experts, plus the shared expert: its output ``shared``,
+        or (Triton path) its weights ``(gate_up, down)`` folded in as one more expert."""
+        if kernels.enabled(x):
+            from glm_fused.torch_backend.kernels.fused_moe import fused_experts
+
+            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, shared,
+                                 shared_weights=shared_weights,
+                                 expert_range=(self.first, self.last) if self.partial else None)
+        out = self._loop(x, weights, ids)
+        return out if shared is None else out + shared
+
+    def _loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         top_k = ids.shape[1]
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
@@ -106,10 +144,19 @@ class MoE(nn.Module):
         self.comm, self.reduce_results = comm, reduce_results
         self.gate = TopKRouter(config)
         self.experts = Experts(shard.experts(), config.hidden_size, shard.moe_intermediate_size, dtype=dtype)
+        self.experts.partial = shard.experts() != (0, config.n_routed_experts)
+        # One shared expert as wide as a routed one can ride in the routed GEMMs (Triton path).
+        self.fold_shared = shard.shared_intermediate_size == shard.moe_intermediate_size
         self.shared_experts = MLP(config.hidden_size, shard.shared_intermediate_size, comm,
                                   reduce_results=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids) + self.shared_experts(x)
+        if self.fold_shared and kernels.enabled(x):
+            weights, ids = self.gate(x, append_shared=True)
+            shared = self.shared_experts
+            out = self.experts(x, weights, ids,
+                               shared_weights=(shared.gate_up_proj.weight, shared.down_proj.weight))
+        else:
+            weights, ids = self.gate(x)
+            out = self.experts(x, weights, ids, shared=self.shared_experts(x))
         return self.comm.all_reduce(out) if self.reduce_results else out

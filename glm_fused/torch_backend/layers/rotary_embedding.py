@@ -28,6 +28,14 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cache[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
+    def rotate_and_store(self, positions: torch.Tensor, token_slots: torch.Tensor, q: torch.Tensor,
+                         k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]
+                         ) -> torch.Tensor:
+        """The Triton path: rotate ``q`` in place and write rotated ``k`` and ``v`` into the cache."""
+        from glm_fused.torch_backend.kernels.rotary import rope_and_store
+
+        return rope_and_store(positions, token_slots, q, k, v, self.cos_cache, self.sin_cache, *kv_cache)
+
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = self.rotary_dim // 2
         x1 = x[..., :half].float()

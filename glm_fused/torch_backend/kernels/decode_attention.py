@@ -1,0 +1,114 @@
+"""Decode attention: one new query per sequence over that sequence's cached keys.
+
+Split-K ("flash decoding"): stage 1 gives each (sequence, kv head, split) program a slice of
+the keys and all the query heads that share that kv head (GQA), with an online softmax;
+stage 2 merges the splits by their log-sum-exp. Lengths are read on the device, so one
+launch shape serves every step of a CUDA graph. Only ``seq_lens[s]`` keys are read: no mask,
+no padding traffic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from glm_fused.torch_backend.kernels import dot_precision, next_pow2
+
+BLOCK_N = 64
+TARGET_PROGRAMS = 264  # about two per multiprocessor of an H100/H200
+
+
+@triton.jit
+def _stage1(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, o_ptr, lse_ptr, scale,
+            stride_qs, stride_qh, stride_cslot, stride_cpos, stride_ch,
+            stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
+            GROUP: tl.constexpr, GROUP_B: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+            BLOCK: tl.constexpr, PREC: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(slot_ptr + s).to(tl.int64)
+    length = tl.load(len_ptr + s).to(tl.int32)
+    per = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK) * BLOCK
+    start = split * per
+    end = tl.minimum(start + per, length)
+
+    g = tl.arange(0, GROUP_B)
+    heads = kvh * GROUP + g
+    gm = g < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + s * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
+    base = slot * stride_cslot + kvh * stride_ch
+    m = tl.full([GROUP_B], float("-inf"), tl.float32)
+    lsum = tl.zeros([GROUP_B], tl.float32)
+    acc = tl.zeros([GROUP_B, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK):  # a split past the end runs no iteration
+        n = n0 + tl.arange(0, BLOCK)
+        nm = n < end
+        offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
+        k = tl.load(k_ptr + offs, mask=nm[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=nm[:, None], other=0.0)
+        sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        sc = tl.where(nm[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        p = tl.exp(sc - m_new[:, None])  # every block has a key, so m_new is finite
+        alpha = tl.exp(m - m_new)
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m = m_new
+    has = lsum > 0
+    out = acc / tl.where(has, lsum, 1.0)[:, None]
+    tl.store(o_ptr + s * stride_os + heads[:, None] * stride_oh + split * stride_osp + d[None, :], out,
+             mask=gm[:, None])
+    tl.store(lse_ptr + s * stride_ls + heads * stride_lh + split, tl.where(has, m + tl.log(lsum), float("-inf")),
+             mask=gm)
+
+
+@triton.jit
+def _stage2(o_ptr, lse_ptr, out_ptr, stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
+            stride_outs, stride_outh, SPLITS: tl.constexpr, SPLITS_B: tl.constexpr, HEAD_DIM: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_B)
+    spm = sp < SPLITS
+    lse = tl.load(lse_ptr + s * stride_ls + h * stride_lh + sp, mask=spm, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))
+    w = w / tl.sum(w, axis=0)
+    d = tl.arange(0, HEAD_DIM)
+    o = tl.load(o_ptr + s * stride_os + h * stride_oh + sp[:, None] * stride_osp + d[None, :], mask=spm[:, None],
+                other=0.0)
+    out = tl.sum(o * w[:, None], axis=0)
+    tl.store(out_ptr + s * stride_outs + h * stride_outh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def num_splits(num_seqs: int, num_kv_heads: int) -> int:
+    """Enough programs to fill the GPU, from the launch shape alone (CUDA-graph friendly)."""
+    return max(1, min(64, TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [S, heads, D]``; sequence s attends to ``cache[slots[s], :seq_lens[s]]``
+    (``[slots, max_len, kv_heads, D]``, new key already written). Returns ``[S, heads, D]``."""
+    S, nh, D = q.shape
+    nkv = k_cache.shape[2]
+    group = nh // nkv
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert D == next_pow2(D), "head_dim must be a power of two"
+    splits = num_splits(S, nkv)
+    o = torch.empty(S, nh, splits, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(S, nh, splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(S, nh, D, dtype=q.dtype, device=q.device)
+    if S == 0:
+        return out
+    _stage1[(S, nkv, splits)](
+        q, k_cache, v_cache, slots, seq_lens, o, lse, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+        GROUP=group, GROUP_B=max(16, next_pow2(group)), HEAD_DIM=D, SPLITS=splits, BLOCK=BLOCK_N,
+        PREC=dot_precision(q.dtype), num_warps=4, num_stages=2)
+    _stage2[(S, nh)](o, lse, out, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+                     out.stride(0), out.stride(1), SPLITS=splits, SPLITS_B=next_pow2(splits), HEAD_DIM=D,
+                     num_warps=4)
+    return out

@@ -1,0 +1,393 @@
+"""Fused MoE: router top-k, token sort by expert, and the two expert GEMMs (Triton).
+
+For T tokens with top-k experts each there are N = T * k (token, expert) pairs; pair
+``t * k + j`` is token t's j-th choice.
+
+1. ``router_topk``: sigmoid scores; top-k on score + correction bias; weights are the
+   un-biased scores, renormalised and scaled. One program per token.
+2. ``align``: pairs sorted by expert and each expert's run padded to ``BLOCK_M`` rows, so the
+   ``BLOCK_M`` rows of a GEMM program share one expert (``block_expert``; -1 = no work).
+   Padding rows hold the sentinel N. Three launches, no host sync, fixed shapes.
+3. ``gate_up``: ``h[pair] = silu(x[tok] Wg[e]^T) * (x[tok] Wu[e]^T)``, gate and up halves
+   in the same program, so the activation is applied in fp32 and written once.
+4. ``down``: ``y[pair] = weight[pair] * (h[pair] Wd[e]^T)``;
+   ``combine``: ``out[t] = sum_j y[t, j] (+ shared[t])`` in fp32.
+
+Each expert's weights are read once per BLOCK_M tokens routed to it - once in total at
+decode sizes - which is what the memory floor counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from glm_fused.torch_backend.kernels import dot_precision, next_pow2
+
+CHUNK = 64  # pairs per program in the align kernels
+
+
+# ---------------------------------------------------------------------------- router
+@triton.jit
+def _router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, scale, stride_l,
+                        TOP_K: tl.constexpr, K_B: tl.constexpr, E_B: tl.constexpr, NORM: tl.constexpr,
+                        SHARED: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_B)
+    em = e < E
+    score = tl.sigmoid(tl.load(logits_ptr + t * stride_l + e, mask=em, other=0.0))
+    choice = tl.where(em, score + tl.load(bias_ptr + e, mask=em, other=0.0), float("-inf"))
+    kk = tl.arange(0, K_B)
+    ids = tl.zeros([K_B], tl.int32)
+    ws = tl.zeros([K_B], tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(choice, axis=0)
+        ids = tl.where(kk == j, best, ids)
+        ws = tl.where(kk == j, tl.sum(tl.where(e == best, score, 0.0), axis=0), ws)
+        choice = tl.where(e == best, float("-inf"), choice)
+    if NORM:
+        ws = ws / (tl.sum(ws, axis=0) + 1e-20)
+    ws = ws * scale
+    if SHARED:  # one more column: the shared expert (id E), weight 1
+        ids = tl.where(kk == TOP_K, E, ids)
+        ws = tl.where(kk == TOP_K, 1.0, ws)
+    width = TOP_K + SHARED
+    km = kk < width
+    tl.store(ids_ptr + t * width + kk, ids, mask=km)
+    tl.store(w_ptr + t * width + kk, ws, mask=km)
+
+
+def router_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool, scale: float,
+                append_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [T, E]`` fp32 -> ``(weights [T, top_k] fp32, ids [T, top_k] int32)`` (no expert groups).
+
+    ``append_shared``: a last column with id E and weight 1, the shared expert folded into the
+    routed GEMMs (``fused_experts(shared_weights=...)``)."""
+    T, E = logits.shape
+    width = top_k + int(append_shared)
+    weights = torch.empty(T, width, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, width, dtype=torch.int32, device=logits.device)
+    if T:
+        _router_topk_kernel[(T,)](logits, bias, weights, ids, E, float(scale), logits.stride(0), TOP_K=top_k,
+                                  K_B=next_pow2(width), E_B=next_pow2(E), NORM=norm_topk_prob,
+                                  SHARED=append_shared, num_warps=1)
+    return weights, ids
+
+
+# ---------------------------------------------------------------------------- align
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, N, E, CHUNK_: tl.constexpr, E_B: tl.constexpr):
+    c = tl.program_id(0)
+    offs = c * CHUNK_ + tl.arange(0, CHUNK_)
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=E)  # E: no expert's column counts it
+    e = tl.arange(0, E_B)
+    onehot = (ids[:, None] == e[None, :]).to(tl.int32)
+    tl.store(counts_ptr + c * E_B + e, tl.sum(onehot, axis=0))
+
+
+@triton.jit
+def _offsets_kernel(counts_ptr, chunk_base_ptr, block_expert_ptr, sorted_ptr, N, E, n_chunks, max_blocks,
+                    BLOCK_M: tl.constexpr, E_B: tl.constexpr, B_CHUNK: tl.constexpr):
+    e = tl.arange(0, E_B)
+    em = e < E
+    # pairs of each expert in the chunks before chunk c (exclusive running sum over chunks)
+    running = tl.zeros([E_B], tl.int32)
+    for c in range(0, n_chunks):
+        tl.store(chunk_base_ptr + c * E_B + e, running)
+        running += tl.load(counts_ptr + c * E_B + e)
+    padded = tl.where(em, (running + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    pend = tl.cumsum(padded, axis=0)
+    pstart = pend - padded
+    # chunk_base becomes the first row of each expert's run for each chunk's pairs
+    for c in range(0, n_chunks):
+        tl.store(chunk_base_ptr + c * E_B + e, tl.load(chunk_base_ptr + c * E_B + e) + pstart)
+    # expert of each BLOCK_M-row block: the number of runs that end at or before its first row
+    for b0 in range(0, max_blocks, B_CHUNK):
+        b = b0 + tl.arange(0, B_CHUNK)
+        done = tl.sum((pend[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(done < E, done, -1), mask=b < max_blocks)
+        for r in tl.static_range(BLOCK_M):
+            tl.store(sorted_ptr + b * BLOCK_M + r, N, mask=b < max_blocks)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, chunk_base_ptr, sorted_ptr, N, E, CHUNK_: tl.constexpr, E_B: tl.constexpr):
+    c = tl.program_id(0)
+    offs = c * CHUNK_ + tl.arange(0, CHUNK_)
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=E)
+    valid = ids < E  # padding lanes, and pairs of experts held elsewhere (id E), have no row
+    e = tl.arange(0, E_B)
+    onehot = (ids[:, None] == e[None, :]).to(tl.int32)
+    before = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same expert in this chunk
+    base = tl.load(chunk_base_ptr + c * E_B + e)
+    dest = tl.sum(onehot * (before + base[None, :]), axis=1)
+    tl.store(sorted_ptr + dest, offs, mask=valid)
+
+
+@triton.jit
+def _align_one_program_kernel(ids_ptr, block_expert_ptr, sorted_ptr, N, E, max_blocks, BLOCK_M: tl.constexpr,
+                              E_B: tl.constexpr, CHUNK_: tl.constexpr, B_CHUNK: tl.constexpr):
+    """The three kernels above in one program, for N <= CHUNK pairs (decode): one launch, not three."""
+    offs = tl.arange(0, CHUNK_)
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=E)
+    e = tl.arange(0, E_B)
+    onehot = (ids[:, None] == e[None, :]).to(tl.int32)
+    counts = tl.sum(onehot, axis=0)
+    padded = tl.where(e < E, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    pend = tl.cumsum(padded, axis=0)
+    pstart = pend - padded
+    for b0 in range(0, max_blocks, B_CHUNK):
+        b = b0 + tl.arange(0, B_CHUNK)
+        done = tl.sum((pend[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(done < E, done, -1), mask=b < max_blocks)
+        for r in tl.static_range(BLOCK_M):
+            tl.store(sorted_ptr + b * BLOCK_M + r, N, mask=b < max_blocks)
+    tl.debug_barrier()  # the padding sentinels are written before the pairs overwrite their rows
+    before = tl.cumsum(onehot, axis=0) - onehot
+    dest = tl.sum(onehot * (before + pstart[None, :]), axis=1)
+    tl.store(sorted_ptr + dest, offs, mask=ids < E)
+
+
+@dataclass
+class Alignment:
+    sorted_pairs: torch.Tensor   # [max_blocks * BLOCK_M] int32, pair index or N (padding)
+    block_expert: torch.Tensor   # [max_blocks] int32, expert of each block or -1
+    block_m: int
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the padded blocks: every expert that gets pairs adds at most block_m - 1 rows."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1) + block_m - 1) // block_m
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    flat = ids.reshape(-1)
+    N = flat.numel()
+    E_B = next_pow2(num_experts)
+    n_chunks = triton.cdiv(N, CHUNK)
+    nb = max_blocks(N, num_experts, block_m)
+    dev = ids.device
+    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    if N and n_chunks == 1:
+        _align_one_program_kernel[(1,)](flat, block_expert, sorted_pairs, N, num_experts, nb, BLOCK_M=block_m,
+                                        E_B=E_B, CHUNK_=CHUNK, B_CHUNK=64, num_warps=4)
+    elif N:
+        counts = torch.empty(n_chunks, E_B, dtype=torch.int32, device=dev)
+        chunk_base = torch.empty_like(counts)
+        _count_kernel[(n_chunks,)](flat, counts, N, num_experts, CHUNK_=CHUNK, E_B=E_B, num_warps=4)
+        _offsets_kernel[(1,)](counts, chunk_base, block_expert, sorted_pairs, N, num_experts, n_chunks, nb,
+                              BLOCK_M=block_m, E_B=E_B, B_CHUNK=64, num_warps=4)
+        _scatter_kernel[(n_chunks,)](flat, chunk_base, sorted_pairs, N, num_experts, CHUNK_=CHUNK, E_B=E_B,
+                                     num_warps=4)
+    return Alignment(sorted_pairs, block_expert, block_m)
+
+
+# ---------------------------------------------------------------------------- expert GEMMs
+@triton.jit
+def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped order of (m, n) tiles: neighbouring programs share weight tiles in L2."""
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, sh_ptr, h_ptr, sorted_ptr, block_expert_ptr, N, K, I, num_m, shared_id,
+                    stride_x, stride_we, stride_wn, stride_h, TOP_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    PREC: tl.constexpr):
+    pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair < N
+    tok = (pair // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cm = cols < I
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_x + kk[None, :]
+    if e == shared_id:  # the shared expert, folded in: its own tensor, same layout
+        w_base = sh_ptr
+    else:
+        w_base = w_ptr + e * stride_we
+    g_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        km = kk < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(h_ptr + pair[:, None].to(tl.int64) * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=valid[:, None] & cm[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, sh_ptr, y_ptr, pw_ptr, sorted_ptr, block_expert_ptr, N, K, H, num_m, shared_id,
+                 stride_h, stride_we, stride_wn, stride_y,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 PREC: tl.constexpr):
+    pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair < N
+    rows = pair.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cm = cols < H
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows[:, None] * stride_h + kk[None, :]
+    if e == shared_id:
+        w_base = sh_ptr
+    else:
+        w_base = w_ptr + e * stride_we
+    b_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        km = kk < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    acc = acc * tl.load(pw_ptr + rows, mask=valid, other=0.0)[:, None]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=valid[:, None] & cm[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, shared_ptr, out_ptr, H, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cm = cols < H
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j) * H + cols, mask=cm, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        # the routed sum is rounded to the model dtype first, as the eager layer adds two tensors
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc += tl.load(shared_ptr + t * H + cols, mask=cm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cm)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+# Chosen on an H200 with scripts/bench_moe.py at GLM-4.5-Air sizes (docs/speed.md has the
+# sweep); keyed by the most tokens of the step. Decode sizes are memory-bound and nearly
+# indifferent to the tile (within 5%); prefill is not.
+GATE_UP_CONFIGS = [
+    (1, TileConfig(16, 128, 128, 1, 4, 3)),
+    (8, TileConfig(16, 64, 256, 1, 4, 3)),
+    (64, TileConfig(16, 32, 128, 1, 4, 4)),
+    (256, TileConfig(32, 64, 128, 1, 4, 4)),
+    (1 << 62, TileConfig(128, 128, 64, 8, 8, 4)),
+]
+DOWN_CONFIGS = [
+    (1, TileConfig(16, 128, 128, 1, 4, 3)),
+    (8, TileConfig(16, 64, 256, 1, 4, 3)),
+    (64, TileConfig(16, 32, 128, 1, 4, 4)),
+    (256, TileConfig(32, 64, 128, 1, 4, 4)),
+    (1 << 62, TileConfig(128, 128, 64, 8, 8, 3)),
+]
+
+
+def pick(configs, num_tokens: int) -> TileConfig:
+    for bound, cfg in configs:
+        if num_tokens <= bound:
+            return cfg
+    return configs[-1][1]
+
+
+def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, shared: torch.Tensor | None = None, *,
+                  shared_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  expert_range: tuple[int, int] | None = None, gate_up_cfg: TileConfig | None = None,
+                  down_cfg: TileConfig | None = None) -> torch.Tensor:
+    """Routed experts (+ the shared expert) for ``x [T, H]``.
+
+    ``w_gate_up [E, 2I, H]`` (gate rows, then up rows), ``w_down [E, H, I]``; ``weights``/``ids``
+    ``[T, top_k]`` from the router. The shared expert comes either as its output ``shared``
+    (added in the final sum) or folded in: ``shared_weights=(gate_up [2I, H], down [H, I])``
+    with ids/weights carrying one more column (``router_topk(append_shared=True)``: id
+    = the number of routed experts, weight 1), so its GEMMs ride in the routed launches.
+    ``expert_range=(first, last)`` says the weights hold only those experts of a larger set
+    (an expert-parallel shard): pairs routed elsewhere add zero.
+    """
+    T, H = x.shape
+    E, two_i, _ = w_gate_up.shape
+    I = two_i // 2
+    width = ids.shape[1]  # top_k, or top_k + 1 with the shared column
+    N = T * width
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    local = ids.to(torch.int32)
+    partial = expert_range is not None
+    if partial:  # local experts 0..E-1, shared E, held elsewhere E + 1 (align gives it no row)
+        shifted = local - expert_range[0]
+        outside = (shifted < 0) | (shifted >= E)
+        local = torch.where(outside, E + 1, shifted)
+        if shared_weights is not None:  # the shared column is the last one: it is never outside
+            local[:, -1] = E
+    slots = E + (shared_weights is not None)
+    if shared_weights is not None:
+        sh_gate_up, sh_down = shared_weights
+        assert sh_gate_up.shape == (two_i, H) and sh_down.shape == (H, I)
+        assert sh_gate_up.stride(0) == w_gate_up.stride(1) and sh_down.stride(0) == w_down.stride(1)
+        shared_id = E
+    else:
+        sh_gate_up, sh_down, shared_id = w_gate_up, w_down, -1
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    prec = dot_precision(x.dtype)
+    cu = gate_up_cfg or pick(GATE_UP_CONFIGS, T)
+    cd = down_cfg or pick(DOWN_CONFIGS, T)
+
+    al = align(local, slots, cu.block_m)
+    h = torch.empty(N, I, dtype=x.dtype, device=x.device)
+    num_m = al.block_expert.numel()
+    _gate_up_kernel[(num_m * triton.cdiv(I, cu.block_n),)](
+        x, w_gate_up, sh_gate_up, h, al.sorted_pairs, al.block_expert, N, H, I, num_m, shared_id,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), TOP_K=width,
+        BLOCK_M=cu.block_m, BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, GROUP_M=cu.group_m, PREC=prec,
+        num_warps=cu.num_warps, num_stages=cu.num_stages)
+
+    if cd.block_m != cu.block_m:
+        al = align(local, slots, cd.block_m)
+    y = torch.empty(N, H, dtype=x.dtype, device=x.device)
+    if partial:
+        y.zero_()  # rows of pairs routed elsewhere are never written
+    num_m = al.block_expert.numel()
+    _down_kernel[(num_m * triton.cdiv(H, cd.block_n),)](
+        h, w_down, sh_down, y, weights.reshape(-1), al.sorted_pairs, al.block_expert, N, I, H, num_m, shared_id,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        BLOCK_M=cd.block_m, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k, GROUP_M=cd.group_m, PREC=prec,
+        num_warps=cd.num_warps, num_stages=cd.num_stages)
+
+    block = min(1024, next_pow2(H))
+    _combine_kernel[(T, triton.cdiv(H, block))](y, shared if shared is not None else y, out, H, TOP_K=width,
+                                                HAS_SHARED=shared is not None, BLOCK=block, num_warps=4)
+    return out

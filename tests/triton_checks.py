@@ -1,0 +1,235 @@
+"""Each Triton kernel against the eager layer it replaces, on fresh random inputs.
+
+Used by tests/test_triton_kernels.py on the GPU (real sizes) and, small, under Triton's CPU
+interpreter (``TRITON_INTERPRET=1``, set before triton is imported: run this file as a
+script). The eager layers are the ones tests/test_torch_model.py proves against transformers.
+
+``python tests/triton_checks.py [cpu|cuda] [float32|bfloat16]`` prints one JSON line per check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+def _interpreter_numpy2_fix() -> None:
+    """Triton's CPU interpreter turns a one-element array into an int with ``int(array)``,
+    which numpy 2 refuses for 1-d arrays (program ids are such arrays); index them instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max |a - b| / max |b|
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert not torch.isnan(a).any(), "NaN in the kernel's output"
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def check_add_rmsnorm(device, dtype, rows=37, hidden=192, seed=0):
+    from glm_fused.torch_backend.kernels.rmsnorm import add_rmsnorm
+    from glm_fused.torch_backend.layers.layernorm import rms_norm
+
+    g = torch.Generator().manual_seed(seed)
+    x, r = (torch.randn(rows, hidden, generator=g).to(device, dtype) for _ in range(2))
+    w = (1 + 0.2 * torch.randn(hidden, generator=g)).to(device, dtype)
+    out, summed = add_rmsnorm(x, r, w, 1e-5)
+    ref_sum = x + r
+    out2, same = add_rmsnorm(x.view(rows, 3, hidden // 3), None, w[: hidden // 3], 1e-5)  # qk-norm shape
+    return {"normed": rel(out, rms_norm(ref_sum, w, 1e-5)), "sum": rel(summed, ref_sum),
+            "no_residual": rel(out2, rms_norm(x.view(rows, 3, -1), w[: hidden // 3], 1e-5)),
+            "no_residual_passthrough": float(same.data_ptr() != x.data_ptr())}
+
+
+def check_rope_and_store(device, dtype, T=5, heads=6, kv_heads=2, head_dim=32, rotary_dim=16, seed=1):
+    from glm_fused.torch_backend.kernels.rotary import rope_and_store
+    from glm_fused.torch_backend.layers.rotary_embedding import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(seed)
+    rope = RotaryEmbedding(head_dim, rotary_dim, 64, 10000.0).to(device)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(T, width, generator=g).to(device, dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(T, heads, head_dim), k.view(T, kv_heads, head_dim), v.view(T, kv_heads, head_dim)
+    positions = torch.tensor([0, 3, 17, 40, 63][:T], device=device)
+    slots = torch.tensor([1, 0, 2, 1, 0][:T], device=device)
+    ref_q, ref_k = rope(positions, q.clone(), k.clone())
+    shape = (3, 64, kv_heads, head_dim)
+    kc = torch.full(shape, 7.0, dtype=dtype, device=device)
+    vc = torch.full(shape, 7.0, dtype=dtype, device=device)
+    out_q = rope_and_store(positions, slots, q, k, v, rope.cos_cache, rope.sin_cache, kc, vc)
+    untouched = kc.clone()
+    untouched[slots, positions] = 7.0
+    return {"q": rel(out_q, ref_q), "k_cache": rel(kc[slots, positions], ref_k),
+            "v_cache": rel(vc[slots, positions], v), "q_in_place": float(out_q.data_ptr() != q.data_ptr()),
+            "other_rows_untouched": float(not bool((untouched == 7.0).all()))}
+
+
+def check_silu_and_mul(device, dtype, T=7, inter=80, seed=5):
+    import torch.nn.functional as F
+
+    from glm_fused.torch_backend.kernels.activation import silu_and_mul
+
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(T, 2 * inter, generator=g).to(device, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return {"out": rel(silu_and_mul(gate, up), F.silu(gate.float()) * up.float())}
+
+
+def check_decode_attention(device, dtype, lens=(1, 70, 200, 33), heads=12, kv_heads=2, head_dim=32, seed=2):
+    from glm_fused.torch_backend.kernels.decode_attention import decode_attention
+
+    g = torch.Generator().manual_seed(seed)
+    S, max_len = len(lens), max(lens) + 3
+    kc = torch.randn(S + 2, max_len, kv_heads, head_dim, generator=g).to(device, dtype)
+    vc = torch.randn(S + 2, max_len, kv_heads, head_dim, generator=g).to(device, dtype)
+    q = torch.randn(S, heads, head_dim, generator=g).to(device, dtype)
+    slots = torch.tensor([3, 0, 5, 1][:S], device=device)
+    seq_lens = torch.tensor(lens, device=device)
+    scale = head_dim ** -0.5
+    out = decode_attention(q, kc, vc, slots, seq_lens, scale)
+    worst = 0.0
+    for s, n in enumerate(lens):  # fp32 reference, GQA by repeating kv heads
+        keys = kc[slots[s], :n].float().repeat_interleave(heads // kv_heads, dim=1)   # [n, heads, D]
+        vals = vc[slots[s], :n].float().repeat_interleave(heads // kv_heads, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[s].float(), keys) * scale, dim=-1)
+        worst = max(worst, rel(out[s], torch.einsum("hn,nhd->hd", p, vals)))
+    return {"out": worst}
+
+
+def check_fused_moe(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4, seed=3, expert_range=None):
+    from glm_fused.torch_backend.kernels.fused_moe import align, fused_experts, router_topk
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, hidden, generator=g).to(device, dtype)
+    wg = (0.1 * torch.randn(experts, 2 * inter, hidden, generator=g)).to(device, dtype)
+    wd = (0.1 * torch.randn(experts, hidden, inter, generator=g)).to(device, dtype)
+    logits = (2.0 * torch.randn(T, experts, generator=g)).to(device)
+    bias = (0.2 * torch.rand(experts, generator=g)).to(device)
+    shared = torch.randn(T, hidden, generator=g).to(device, dtype)
+    res = {}
+    # router: the eager TopKRouter's maths (no expert groups)
+    weights, ids = router_topk(logits, bias, top_k, True, 2.5)
+    scores = logits.sigmoid()
+    ref_ids = (scores + bias).topk(top_k, dim=-1).indices
+    ref_w = scores.gather(1, ref_ids)
+    ref_w = ref_w / (ref_w.sum(-1, keepdim=True) + 1e-20) * 2.5
+    res["router_ids_differ"] = float(not torch.equal(ids.long().sort(-1).values, ref_ids.sort(-1).values))
+    order = ids.long().argsort(-1)
+    res["router_weights"] = rel(weights.gather(1, order), ref_w.gather(1, ref_ids.argsort(-1)))
+    # align: every pair exactly once, in a block of its own expert
+    for block_m in (1, 16):
+        al = align(ids, experts, block_m)
+        rows = al.sorted_pairs.cpu().view(-1, block_m)
+        be = al.block_expert.cpu()
+        flat = ids.reshape(-1).cpu()
+        seen = sorted(int(p) for p in rows.flatten() if p < T * top_k)
+        ok = seen == list(range(T * top_k))
+        for b in range(rows.shape[0]):
+            for p in rows[b]:
+                if p < T * top_k:
+                    ok &= int(be[b]) == int(flat[p])
+        res[f"align_bad_m{block_m}"] = float(not ok)
+    # experts: the eager per-expert loop (Experts.forward) on the same routing
+    from glm_fused.torch_backend.layers.moe import Experts
+
+    first, last = expert_range or (0, experts)
+    ref_layer = Experts((first, last), hidden, inter, dtype=dtype).to(device)
+    ref_layer.gate_up_proj.data.copy_(wg[first:last])
+    ref_layer.down_proj.data.copy_(wd[first:last])
+    ref = ref_layer._loop(x, weights, ids.long()) + shared
+    out = fused_experts(x, wg[first:last], wd[first:last], weights, ids, shared,
+                        expert_range=expert_range)
+    res["experts"] = rel(out, ref)
+    # the shared expert folded into the routed GEMMs: one more column from the router
+    import torch.nn.functional as F
+
+    sh_gu = (0.1 * torch.randn(2 * inter, hidden, generator=g)).to(device, dtype)
+    sh_dn = (0.1 * torch.randn(hidden, inter, generator=g)).to(device, dtype)
+    gate, up = F.linear(x, sh_gu).chunk(2, dim=-1)
+    ref = ref_layer._loop(x, weights, ids.long()) + F.linear(F.silu(gate) * up, sh_dn)
+    w2, ids2 = router_topk(logits, bias, top_k, True, 2.5, append_shared=True)
+    res["router_shared_column_bad"] = float(not (bool((ids2[:, -1] == experts).all())
+                                                 and bool((w2[:, -1] == 1).all())
+                                                 and torch.equal(ids2[:, :-1], ids)))
+    out = fused_experts(x, wg[first:last], wd[first:last], w2, ids2, shared_weights=(sh_gu, sh_dn),
+                        expert_range=expert_range)
+    res["experts_shared_folded"] = rel(out, ref)
+    return res
+
+
+CHECKS = {"add_rmsnorm": check_add_rmsnorm, "silu_and_mul": check_silu_and_mul, "rope_and_store": check_rope_and_store,
+          "decode_attention": check_decode_attention, "fused_moe": check_fused_moe,
+          "fused_moe_partial": lambda d, t: check_fused_moe(d, t, expert_range=(4, 12)),
+          # 3 * 40 = 120 pairs: the three-kernel sort (more than one chunk of 64 pairs)
+          "fused_moe_chunks": lambda d, t: check_fused_moe(d, t, T=40, top_k=3, hidden=32, inter=32)}
+
+
+def run_all(device: str, dtype: torch.dtype) -> dict:
+    return {name: fn(device, dtype) for name, fn in CHECKS.items()}
+
+
+def check_model(device, dtype, qk_norm=False, seed=4):
+    """The tiny model with the kernels on and off: prefill of two prompts, then decode steps
+    (one and two sequences) and a chunked-prefill step, through one KV cache each."""
+    import dataclasses
+    from pathlib import Path
+
+    from glm_fused.batch import ForwardBatch
+    from glm_fused.cli.bench_layers import fill_random
+    from glm_fused.config import Glm4MoeConfig
+    from glm_fused.torch_backend import kernels
+    from glm_fused.torch_backend.model import Glm4MoeForCausalLM
+
+    config = Glm4MoeConfig.from_json_file(Path(__file__).resolve().parents[1] / "configs" / "glm-4.5-air-tiny.json")
+    config = dataclasses.replace(config, use_qk_norm=qk_norm)
+    with torch.device(device):
+        model = Glm4MoeForCausalLM(config, dtype=dtype, max_position=64)
+    with torch.no_grad():
+        fill_random(model, config, seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in (5, 9)]
+    steps = [ForwardBatch.prefill(prompts, slots=[2, 0]),
+             ForwardBatch.decode([7, 8], [5, 9], [2, 0]),
+             ForwardBatch.decode([9], [6], [2]),
+             # sequence in slot 0 continues with a 3-token chunk while slot 2 decodes
+             ForwardBatch([11, 3, 4, 5], [7, 10, 11, 12], [2, 0], [1, 3], [7, 10], [0, 1, 2, 3])]
+    logits = {}
+    for on in (False, True):
+        previous = kernels.set_enabled(on)
+        try:
+            caches = model.make_kv_caches(3, 64)
+            outs = []
+            with torch.inference_mode():
+                for b in steps:
+                    hidden = model(torch.as_tensor(b.input_ids, device=device),
+                                   torch.as_tensor(b.positions, device=device), b, caches)
+                    outs.append(model.compute_logits(hidden))
+            logits[on] = outs
+        finally:
+            kernels.set_enabled(previous)
+    return {f"step{i}": rel(a, b) for i, (a, b) in enumerate(zip(logits[True], logits[False]))}
+
+
+CHECKS["model"] = check_model
+CHECKS["model_qk_norm"] = lambda d, t: check_model(d, t, qk_norm=True)
+
+
+if __name__ == "__main__":
+    dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    dt = getattr(torch, sys.argv[2] if len(sys.argv) > 2 else "float32")
+    if dev == "cpu":
+        _interpreter_numpy2_fix()
+    for name, fn in CHECKS.items():
+        print(json.dumps({"check": name, **fn(dev, dt)}), flush=True)
