@@ -216,6 +216,15 @@ class FusionStats:
     def record_plain_allreduce(self, n: int = 1) -> None:
         self.plain_allreduce_calls += n
 
+    def add(self, other: "FusionStats") -> None:
+        """Count ``other``'s calls too (a replayed CUDA graph adds the calls it captured)."""
+        self.fused_calls += other.fused_calls
+        self.plain_allreduce_calls += other.plain_allreduce_calls
+        for k, v in other.impl.items():
+            self.impl[k] = self.impl.get(k, 0) + v
+        for k, v in other.fallback_reasons.items():
+            self.fallback_reasons[k] = self.fallback_reasons.get(k, 0) + v
+
     def as_dict(self) -> dict:
         return {
             "fused_allreduce_norm_calls": self.fused_calls,

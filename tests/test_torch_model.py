@@ -413,3 +413,28 @@ def test_dummy_weights_deterministic_and_router_replicated(ckpts):
     assert 0.015 < float(w.std()) < 0.025
     logits = a(torch.tensor([1, 2, 3]))
     assert torch.isfinite(logits).all()
+
+
+def test_capture_sizes_cover_every_batch():
+    from glm_fused.torch_backend.cuda_graph import capture_sizes
+
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    for n in (1, 5, 17, 64):
+        sizes = capture_sizes(n)
+        assert sizes[-1] == n and all(any(s >= b for s in sizes) for b in range(1, n + 1))
+
+
+def test_fusion_stats_add_counts_a_replayed_graph():
+    from glm_fused.fusion import FusionStats
+
+    captured, step = FusionStats(), FusionStats()
+    captured.record("flashinfer")
+    captured.record("reference", "too many tokens")
+    captured.record_plain_allreduce(2)
+    step.record("reference", "too many tokens")
+    step.add(captured)
+    assert step.as_dict() == {"fused_allreduce_norm_calls": 3, "plain_allreduce_calls": 2,
+                              "fused_impl": {"flashinfer": 1, "reference": 2},
+                              "fallback_reasons": {"too many tokens": 2}}

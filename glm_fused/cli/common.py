@@ -51,6 +51,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                    help="tokens per forward step (prefill chunk bound; also sizes the fused all-reduce "
                         f"workspace) (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: run decode steps op by op (torch backend on GPU; "
+                        "elsewhere there are none anyway)")
 
     g = parser.add_argument_group("fused all-reduce + residual + RMSNorm")
     g.add_argument("--unfused", action="store_true",
@@ -177,7 +180,8 @@ class Rank:
         self.runner = self.backend.ModelRunner(
             self.config, a.model_dir, tp_rank=self.rank, tp_size=self.world, dtype=a.dtype,
             fused=not a.unfused, fusion=a.fusion, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
-            max_num_batched_tokens=a.max_num_batched_tokens, load_format=a.load_format, seed=a.seed)
+            max_num_batched_tokens=a.max_num_batched_tokens, load_format=a.load_format, seed=a.seed,
+            cuda_graph=not getattr(a, "enforce_eager", False))
         return self.runner
 
     def kv_cache_bytes(self) -> int:

@@ -21,7 +21,10 @@ class ModelRunner(RunnerBase):
 
     def __init__(self, config: Glm4MoeConfig, model_dir: str | Path | None, *, tp_rank: int, tp_size: int,
                  dtype: str, fused: bool, fusion: str, max_num_seqs: int, max_model_len: int,
-                 max_num_batched_tokens: int, load_format: str = "safetensors", seed: int = 0):
+                 max_num_batched_tokens: int, load_format: str = "safetensors", seed: int = 0,
+                 cuda_graph: bool = False):
+        # cuda_graph: accepted for the common interface; this backend runs eagerly (its GPU
+        # path is unproven, docs/design.md), so there is nothing to capture.
         self._init_limits(config, tp_size=tp_size, fused=fused, fusion=fusion, load_format=load_format,
                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           max_num_batched_tokens=max_num_batched_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +12,12 @@ import torch.distributed
 from glm_fused.batch import ForwardBatch
 from glm_fused.config import Glm4MoeConfig
 from glm_fused.runner_base import RunnerBase
-from glm_fused.torch_backend import dist
+from glm_fused.torch_backend import dist, kernels
+from glm_fused.torch_backend.cuda_graph import DecodeGraphs
 from glm_fused.torch_backend.loader import dummy_weights, load_weights
 from glm_fused.torch_backend.model import Glm4MoeForCausalLM, torch_dtype
+
+log = logging.getLogger("glm_fused.runner")
 
 
 class ModelRunner(RunnerBase):
@@ -21,7 +25,8 @@ class ModelRunner(RunnerBase):
 
     def __init__(self, config: Glm4MoeConfig, model_dir: str | Path | None, *, tp_rank: int, tp_size: int,
                  dtype: str, fused: bool, fusion: str, max_num_seqs: int, max_model_len: int,
-                 max_num_batched_tokens: int, load_format: str = "safetensors", seed: int = 0):
+                 max_num_batched_tokens: int, load_format: str = "safetensors", seed: int = 0,
+                 cuda_graph: bool = True):
         self._init_limits(config, tp_size=tp_size, fused=fused, fusion=fusion, load_format=load_format,
                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           max_num_batched_tokens=max_num_batched_tokens)
@@ -37,8 +42,33 @@ class ModelRunner(RunnerBase):
         else:
             load_weights(self.model, model_dir, config, self.model.shard, progress=tp_rank == 0)
         self.model.eval()
-        self.kv_caches = self.model.make_kv_caches(max_num_seqs, max_model_len)
+        # Decode steps replay CUDA graphs on a GPU with the Triton kernels (cuda_graph=False:
+        # --enforce-eager); the graphs' padding rows get a scratch KV slot past the engine's.
+        use_graphs = cuda_graph and self.device.type == "cuda" and kernels.enabled(self.model.embed_tokens.weight)
+        self.kv_caches = self.model.make_kv_caches(max_num_seqs + int(use_graphs), max_model_len)
         self._setup_fusion(str(self.dtype).removeprefix("torch."))
+        self.graphs = None
+        if use_graphs:  # after _setup_fusion: the fused all-reduce workspace must exist before capture
+            self.graphs = self._capture(max_num_seqs)
+
+    def _capture(self, max_num_seqs: int) -> DecodeGraphs | None:
+        """The decode graphs, or None (eager decode) when any rank could not capture: a kernel
+        that cannot be captured is a slower server, not a dead one."""
+        graphs, error = None, None
+        try:
+            with torch.inference_mode():
+                graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, pad_slot=max_num_seqs)
+        except Exception as exc:  # noqa: BLE001 - any capture failure means eager decode
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            torch.cuda.synchronize(self.device)
+        ok = error is None
+        if self.comm.size > 1:
+            ok = self._all_ranks_agree(ok)
+        if not ok:
+            log.warning("CUDA graphs off, decode runs eagerly: %s",
+                        error or "another rank could not capture its decode graphs")
+            return None
+        return graphs
 
     # ---- what RunnerBase asks of a backend ------------------------------------------------
     def _gpu_sm(self) -> int | None:
@@ -65,13 +95,19 @@ class ModelRunner(RunnerBase):
         self._check(batch)
         self.comm.stats.reset()
         with torch.inference_mode():
-            input_ids = torch.from_numpy(batch.input_ids).to(self.device)
-            positions = torch.from_numpy(batch.positions).to(self.device)
-            hidden = self.model(input_ids, positions, batch, self.kv_caches)
+            if self.graphs is not None and self.graphs.can_run(batch):
+                hidden = self.graphs.run(batch)
+                if not np.array_equal(batch.logits_indices, np.arange(batch.num_seqs)):
+                    hidden = hidden[torch.as_tensor(batch.logits_indices, device=self.device)]
+            else:
+                input_ids = torch.from_numpy(batch.input_ids).to(self.device)
+                positions = torch.from_numpy(batch.positions).to(self.device)
+                hidden = self.model(input_ids, positions, batch, self.kv_caches)
             logits = self.model.compute_logits(hidden)
         return logits.float().cpu().numpy()
 
     def close(self) -> None:
+        self.graphs = None  # before the workspace goes: the graphs point into it
         super().close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
