@@ -910,7 +910,8 @@ def run_bench(args) -> dict:
         e = c["impls"].get("ours", {})
         if "ms" in e:
             # against the fastest transformers variant: the smallest speed-up
-            vs_best = min((x["ours_speedup"] for i, x in c["impls"].items() if "ours_speedup" in x), default=None)
+            vs_best = min((x["ours_speedup"] for i, x in c["impls"].items()
+                           if i.startswith("hf-") and "ours_speedup" in x), default=None)
             bits.append(f"{c['layer']} {c['step']} {e['ms']:.2f} ms = {e['x_floor']:.1f}x floor"
                         + (f", {vs_best:.2f}x vs fastest HF" if vs_best else ""))
     return {"status": "fail" if ours_failed else "ok", "bench": out, "failed": failed,
