@@ -173,7 +173,9 @@ CHECKS = {"add_rmsnorm": check_add_rmsnorm, "silu_and_mul": check_silu_and_mul, 
           "decode_attention": check_decode_attention, "fused_moe": check_fused_moe,
           "fused_moe_partial": lambda d, t: check_fused_moe(d, t, expert_range=(4, 12)),
           # 3 * 40 = 120 pairs: the three-kernel sort (more than one chunk of 64 pairs)
-          "fused_moe_chunks": lambda d, t: check_fused_moe(d, t, T=40, top_k=3, hidden=32, inter=32)}
+          "fused_moe_chunks": lambda d, t: check_fused_moe(d, t, T=40, top_k=3, hidden=32, inter=32),
+          # 1200 pairs = 19 chunks: the running sum over chunks takes two tiles of 16
+          "fused_moe_many_chunks": lambda d, t: check_fused_moe(d, t, T=300, top_k=4, hidden=32, inter=32)}
 
 
 def run_all(device: str, dtype: torch.dtype) -> dict:

@@ -197,10 +197,16 @@ class Rank:
             return "off"
         return "flashinfer" if getattr(getattr(self.runner, "comm", None), "kernel", None) is not None else "reference"
 
+    def decode_mode(self) -> str:
+        """How decode steps run: replayed CUDA graphs (with their batch sizes) or eager."""
+        graphs = getattr(self.runner, "graphs", None)
+        return f"cuda-graphs {graphs.sizes}" if graphs is not None else "eager"
+
     def info(self) -> dict:
         a = self.args
         return {"backend": a.backend, "device": a.device, "tp": self.world, "dtype": a.dtype,
                 "layout": "unfused" if a.unfused else "fused", "fusion": self.fusion_impl(),
+                "decode": self.decode_mode(),
                 "max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len,
                 "max_num_batched_tokens": a.max_num_batched_tokens, "kv_cache_bytes_per_rank": self.kv_cache_bytes()}
 
@@ -230,7 +236,7 @@ class Rank:
         return (f"backend={a.backend} device={a.device} tp={self.world} dtype={a.dtype} "
                 f"layout={'unfused' if a.unfused else 'fused'} fusion={fusion}; "
                 f"KV cache {a.max_num_seqs} slots x {a.max_model_len} tokens = {kv / 2**20:.1f} MiB per rank; "
-                f"max {a.max_num_batched_tokens} tokens per step")
+                f"max {a.max_num_batched_tokens} tokens per step; decode {self.decode_mode()}")
 
 
 def load_tokenizer(args):

@@ -223,6 +223,7 @@ def worker(args: dict) -> None:
                     step = runner.forward(ForwardBatch.decode([tokens[-1]], [len(prompt) + k], [0]))
                     if i == 0 and k == 0:
                         stats[f"{tag}_decode"] = runner.fusion_stats()  # one decode forward
+                        stats[f"{tag}_decode_mode"] = rank.decode_mode()
                     tokens.append(int(step[0].argmax()))
                 out[f"{tag}_greedy_{i}"] = np.asarray(tokens, dtype=np.int64)
         finally:
@@ -267,6 +268,7 @@ def _report(prompts, results, stats, hf, tolerance, min_top1, run_args) -> dict:
     passed = overall["max_rel_diff"] <= tolerance and overall["top1_agreement"] >= min_top1
     fusion = dict(stats["fused"])
     fusion["per_decode_step"] = stats.get("fused_decode")
+    fusion["decode_mode"] = stats.get("fused_decode_mode")  # CUDA graphs or eager
     fusion["unfused_model"] = {k: stats["unfused"][k] for k in ("fused_allreduce_norm_calls",
                                                                 "plain_allreduce_calls")}
     report = {

@@ -79,32 +79,18 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_
 
 # ---------------------------------------------------------------------------- align
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, N, E, CHUNK_: tl.constexpr, E_B: tl.constexpr):
-    c = tl.program_id(0)
-    offs = c * CHUNK_ + tl.arange(0, CHUNK_)
-    ids = tl.load(ids_ptr + offs, mask=offs < N, other=E)  # E: no expert's column counts it
-    e = tl.arange(0, E_B)
-    onehot = (ids[:, None] == e[None, :]).to(tl.int32)
-    tl.store(counts_ptr + c * E_B + e, tl.sum(onehot, axis=0))
+def _onehot(ids_ptr, offs, N, E, E_B: tl.constexpr):
+    """Expert ids of pairs ``offs`` (E past the end: no expert's column counts it) and their
+    one-hot rows ``[len(offs), E_B]``."""
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=E)
+    return ids, (ids[:, None] == tl.arange(0, E_B)[None, :]).to(tl.int32)
 
 
 @triton.jit
-def _offsets_kernel(counts_ptr, chunk_base_ptr, block_expert_ptr, sorted_ptr, N, E, n_chunks, max_blocks,
-                    BLOCK_M: tl.constexpr, E_B: tl.constexpr, B_CHUNK: tl.constexpr):
-    e = tl.arange(0, E_B)
-    em = e < E
-    # pairs of each expert in the chunks before chunk c (exclusive running sum over chunks)
-    running = tl.zeros([E_B], tl.int32)
-    for c in range(0, n_chunks):
-        tl.store(chunk_base_ptr + c * E_B + e, running)
-        running += tl.load(counts_ptr + c * E_B + e)
-    padded = tl.where(em, (running + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
-    pend = tl.cumsum(padded, axis=0)
-    pstart = pend - padded
-    # chunk_base becomes the first row of each expert's run for each chunk's pairs
-    for c in range(0, n_chunks):
-        tl.store(chunk_base_ptr + c * E_B + e, tl.load(chunk_base_ptr + c * E_B + e) + pstart)
-    # expert of each BLOCK_M-row block: the number of runs that end at or before its first row
+def _write_blocks(pend, block_expert_ptr, sorted_ptr, N, E, max_blocks, BLOCK_M: tl.constexpr,
+                  B_CHUNK: tl.constexpr):
+    """Expert of each BLOCK_M-row block (the number of experts' runs ending at or before its
+    first row; -1 past the last run), and the padding sentinel N in every row."""
     for b0 in range(0, max_blocks, B_CHUNK):
         b = b0 + tl.arange(0, B_CHUNK)
         done = tl.sum((pend[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
@@ -114,15 +100,46 @@ def _offsets_kernel(counts_ptr, chunk_base_ptr, block_expert_ptr, sorted_ptr, N,
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, chunk_base_ptr, sorted_ptr, N, E, CHUNK_: tl.constexpr, E_B: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, N, E, CHUNK_: tl.constexpr, E_B: tl.constexpr):
     c = tl.program_id(0)
     offs = c * CHUNK_ + tl.arange(0, CHUNK_)
-    ids = tl.load(ids_ptr + offs, mask=offs < N, other=E)
+    _, onehot = _onehot(ids_ptr, offs, N, E, E_B)
+    tl.store(counts_ptr + c * E_B + tl.arange(0, E_B), tl.sum(onehot, axis=0))
+
+
+@triton.jit
+def _offsets_kernel(counts_ptr, chunk_base_ptr, pstart_ptr, block_expert_ptr, sorted_ptr, N, E, n_chunks,
+                    max_blocks, BLOCK_M: tl.constexpr, E_B: tl.constexpr, B_CHUNK: tl.constexpr,
+                    C_TILE: tl.constexpr):
+    e = tl.arange(0, E_B)
+    em = e < E
+    # pairs of each expert in the chunks before chunk c (an exclusive running sum over
+    # chunks, C_TILE chunks per step: a prefill has hundreds of chunks)
+    running = tl.zeros([E_B], tl.int32)
+    for c0 in range(0, n_chunks, C_TILE):
+        c = c0 + tl.arange(0, C_TILE)
+        cm = c < n_chunks
+        offs = c[:, None] * E_B + e[None, :]
+        tile = tl.load(counts_ptr + offs, mask=cm[:, None], other=0)
+        tl.store(chunk_base_ptr + offs, running[None, :] + tl.cumsum(tile, axis=0) - tile, mask=cm[:, None])
+        running += tl.sum(tile, axis=0)
+    padded = tl.where(em, (running + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    pend = tl.cumsum(padded, axis=0)
+    pstart = pend - padded
+    tl.store(pstart_ptr + e, pstart)  # first row of each expert's run
+    _write_blocks(pend, block_expert_ptr, sorted_ptr, N, E, max_blocks, BLOCK_M, B_CHUNK)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, chunk_base_ptr, pstart_ptr, sorted_ptr, N, E, CHUNK_: tl.constexpr,
+                    E_B: tl.constexpr):
+    c = tl.program_id(0)
+    offs = c * CHUNK_ + tl.arange(0, CHUNK_)
+    ids, onehot = _onehot(ids_ptr, offs, N, E, E_B)
     valid = ids < E  # padding lanes, and pairs of experts held elsewhere (id E), have no row
     e = tl.arange(0, E_B)
-    onehot = (ids[:, None] == e[None, :]).to(tl.int32)
     before = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same expert in this chunk
-    base = tl.load(chunk_base_ptr + c * E_B + e)
+    base = tl.load(chunk_base_ptr + c * E_B + e) + tl.load(pstart_ptr + e)
     dest = tl.sum(onehot * (before + base[None, :]), axis=1)
     tl.store(sorted_ptr + dest, offs, mask=valid)
 
@@ -132,19 +149,13 @@ def _align_one_program_kernel(ids_ptr, block_expert_ptr, sorted_ptr, N, E, max_b
                               E_B: tl.constexpr, CHUNK_: tl.constexpr, B_CHUNK: tl.constexpr):
     """The three kernels above in one program, for N <= CHUNK pairs (decode): one launch, not three."""
     offs = tl.arange(0, CHUNK_)
-    ids = tl.load(ids_ptr + offs, mask=offs < N, other=E)
+    ids, onehot = _onehot(ids_ptr, offs, N, E, E_B)
     e = tl.arange(0, E_B)
-    onehot = (ids[:, None] == e[None, :]).to(tl.int32)
     counts = tl.sum(onehot, axis=0)
     padded = tl.where(e < E, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     pend = tl.cumsum(padded, axis=0)
     pstart = pend - padded
-    for b0 in range(0, max_blocks, B_CHUNK):
-        b = b0 + tl.arange(0, B_CHUNK)
-        done = tl.sum((pend[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + b, tl.where(done < E, done, -1), mask=b < max_blocks)
-        for r in tl.static_range(BLOCK_M):
-            tl.store(sorted_ptr + b * BLOCK_M + r, N, mask=b < max_blocks)
+    _write_blocks(pend, block_expert_ptr, sorted_ptr, N, E, max_blocks, BLOCK_M, B_CHUNK)
     tl.debug_barrier()  # the padding sentinels are written before the pairs overwrite their rows
     before = tl.cumsum(onehot, axis=0) - onehot
     dest = tl.sum(onehot * (before + pstart[None, :]), axis=1)
@@ -178,11 +189,12 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     elif N:
         counts = torch.empty(n_chunks, E_B, dtype=torch.int32, device=dev)
         chunk_base = torch.empty_like(counts)
+        pstart = torch.empty(E_B, dtype=torch.int32, device=dev)
         _count_kernel[(n_chunks,)](flat, counts, N, num_experts, CHUNK_=CHUNK, E_B=E_B, num_warps=4)
-        _offsets_kernel[(1,)](counts, chunk_base, block_expert, sorted_pairs, N, num_experts, n_chunks, nb,
-                              BLOCK_M=block_m, E_B=E_B, B_CHUNK=64, num_warps=4)
-        _scatter_kernel[(n_chunks,)](flat, chunk_base, sorted_pairs, N, num_experts, CHUNK_=CHUNK, E_B=E_B,
-                                     num_warps=4)
+        _offsets_kernel[(1,)](counts, chunk_base, pstart, block_expert, sorted_pairs, N, num_experts, n_chunks,
+                              nb, BLOCK_M=block_m, E_B=E_B, B_CHUNK=64, C_TILE=16, num_warps=4)
+        _scatter_kernel[(n_chunks,)](flat, chunk_base, pstart, sorted_pairs, N, num_experts, CHUNK_=CHUNK,
+                                     E_B=E_B, num_warps=4)
     return Alignment(sorted_pairs, block_expert, block_m)
 
 
@@ -198,26 +210,38 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _block_rows(block_expert_ptr, sorted_ptr, pid_m, N, BLOCK_M: tl.constexpr):
+    """The expert of row block ``pid_m`` (-1: no work) and its pair indices (N: padding)."""
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return e, pair, pair < N
+
+
+@triton.jit
+def _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we):
+    """Start of expert e's weights; the folded shared expert has its own tensor, same layout."""
+    if e == shared_id:
+        base = sh_ptr
+    else:
+        base = w_ptr + e * stride_we
+    return base
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, sh_ptr, h_ptr, sorted_ptr, block_expert_ptr, N, K, I, num_m, shared_id,
                     stride_x, stride_we, stride_wn, stride_h, TOP_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     PREC: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    e, pair, valid = _block_rows(block_expert_ptr, sorted_ptr, pid_m, N, BLOCK_M)
     if e < 0:
         return
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pair < N
     tok = (pair // TOP_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cm = cols < I
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_x + kk[None, :]
-    if e == shared_id:  # the shared expert, folded in: its own tensor, same layout
-        w_base = sh_ptr
-    else:
-        w_base = w_ptr + e * stride_we
-    g_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    g_ptrs = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we) + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
     u_ptrs = g_ptrs + I * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -242,21 +266,15 @@ def _down_kernel(h_ptr, w_ptr, sh_ptr, y_ptr, pw_ptr, sorted_ptr, block_expert_p
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  PREC: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    e, pair, valid = _block_rows(block_expert_ptr, sorted_ptr, pid_m, N, BLOCK_M)
     if e < 0:
         return
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pair < N
     rows = pair.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cm = cols < H
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None] * stride_h + kk[None, :]
-    if e == shared_id:
-        w_base = sh_ptr
-    else:
-        w_base = w_ptr + e * stride_we
-    b_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    b_ptrs = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we) + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         km = kk < K - k0

@@ -1,7 +1,7 @@
 """Partial NeoX RoPE on q and k, and the KV-cache write, in one launch.
 
-One program per (token, head): q heads are rotated in place; k heads are rotated and stored,
-with the matching v head, at ``cache[slot, position]``. Same arithmetic as
+One program per (token, block of 16 heads): q heads are rotated in place; k heads are rotated
+and stored, with the matching v heads, at ``cache[slot, position]``. Same arithmetic as
 ``layers.rotary_embedding``: fp32 rotation of the first ``rotary_dim`` dims, rounded back.
 """
 
@@ -18,36 +18,44 @@ from glm_fused.torch_backend.kernels import next_pow2
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_cs, stride_cslot, stride_cpos, stride_ch,
-                       NUM_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_B: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, D_B: tl.constexpr):
+                       NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, HALF_B: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, D_B: tl.constexpr, HB: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    blk = tl.program_id(1)
+    Q_BLOCKS: tl.constexpr = (NUM_HEADS + HB - 1) // HB
     pos = tl.load(pos_ptr + t)
     j = tl.arange(0, HALF_B)
     jm = j < HALF
-    cos = tl.load(cos_ptr + pos * stride_cs + j, mask=jm, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_cs + j, mask=jm, other=0.0)
-    if h < NUM_HEADS:
-        src = q_ptr + t * stride_qt + h * stride_qh
+    cos = tl.load(cos_ptr + pos * stride_cs + j, mask=jm, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_cs + j, mask=jm, other=0.0)[None, :]
+    hh = tl.arange(0, HB)
+    if blk < Q_BLOCKS:  # a block of q heads, rotated in place
+        heads = blk * HB + hh
+        hm = heads < NUM_HEADS
+        src = q_ptr + t * stride_qt + heads[:, None] * stride_qh
         dst = src
-    else:
-        kh = h - NUM_HEADS
-        src = k_ptr + t * stride_kt + kh * stride_kh
+    else:  # a block of kv heads: rotated k and plain v go to the cache
+        heads = (blk - Q_BLOCKS) * HB + hh
+        hm = heads < NUM_KV
+        src = k_ptr + t * stride_kt + heads[:, None] * stride_kh
         slot = tl.load(slot_ptr + t)
-        row = slot * stride_cslot + pos * stride_cpos + kh * stride_ch
+        row = slot * stride_cslot + pos * stride_cpos + heads[:, None] * stride_ch
         dst = kc_ptr + row
-        d = tl.arange(0, D_B)
-        dm = d < HEAD_DIM
-        v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + d, mask=dm)
+        d = tl.arange(0, D_B)[None, :]
+        dm = hm[:, None] & (d < HEAD_DIM)
+        v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + d, mask=dm)
         tl.store(vc_ptr + row + d, v, mask=dm)
-        # the dims past the rotary part pass through unchanged
-        rest = tl.load(src + d, mask=dm & (d >= 2 * HALF))
-        tl.store(dst + d, rest, mask=dm & (d >= 2 * HALF))
-    x1 = tl.load(src + j, mask=jm, other=0.0)
-    x2 = tl.load(src + HALF + j, mask=jm, other=0.0)
+        rest = dm & (d >= 2 * HALF)  # the dims past the rotary part pass through unchanged
+        tl.store(dst + d, tl.load(src + d, mask=rest), mask=rest)
+    m2 = hm[:, None] & jm[None, :]
+    x1 = tl.load(src + j[None, :], mask=m2, other=0.0)
+    x2 = tl.load(src + HALF + j[None, :], mask=m2, other=0.0)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(dst + j, (f1 * cos - f2 * sin).to(x1.dtype), mask=jm)
-    tl.store(dst + HALF + j, (f2 * cos + f1 * sin).to(x1.dtype), mask=jm)
+    tl.store(dst + j[None, :], (f1 * cos - f2 * sin).to(x1.dtype), mask=m2)
+    tl.store(dst + HALF + j[None, :], (f2 * cos + f1 * sin).to(x1.dtype), mask=m2)
+
+
+HEADS_PER_PROGRAM = 16
 
 
 def rope_and_store(positions: torch.Tensor, token_slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -60,10 +68,12 @@ def rope_and_store(positions: torch.Tensor, token_slots: torch.Tensor, q: torch.
     half = cos_cache.shape[1]
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and k_cache.stride(3) == 1
     assert k_cache.stride() == v_cache.stride() and cos_cache.stride() == sin_cache.stride()
+    hb = HEADS_PER_PROGRAM
     if T:
-        _rope_store_kernel[(T, nh + nkv)](
+        _rope_store_kernel[(T, triton.cdiv(nh, hb) + triton.cdiv(nkv, hb))](
             q, k, v, positions, token_slots, cos_cache, sin_cache, k_cache, v_cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            NUM_HEADS=nh, HALF=half, HALF_B=next_pow2(half), HEAD_DIM=D, D_B=next_pow2(D), num_warps=1)
+            NUM_HEADS=nh, NUM_KV=nkv, HALF=half, HALF_B=next_pow2(half), HEAD_DIM=D, D_B=next_pow2(D), HB=hb,
+            num_warps=2)
     return q
