@@ -21,8 +21,8 @@ torch = pytest.importorskip("torch")
 HERE = Path(__file__).resolve().parent
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
-FLAGS = ("router_ids_differ", "router_shared_column_bad", "align_bad_m1", "align_bad_m16", "no_residual_passthrough", "q_in_place",
-         "other_rows_untouched")
+FLAGS = ("router_ids_differ", "router_shared_column_bad", "align_bad_m1", "align_bad_m16", "no_residual_passthrough",
+         "q_in_place", "other_rows_untouched")
 
 
 def _assert_checks(results: dict, tol: float) -> None:

@@ -8,8 +8,9 @@ the kernels read lengths on the device, so one graph serves every context length
 
 Batches are padded up to the next captured size; padding rows decode token 0 at position 0
 of the scratch KV slot ``pad_slot`` (one slot beyond the engine's), so they never touch a
-real sequence. The fused all-reduce workspace must exist before capture (the runner makes it
-first). Graphs share one memory pool, captured largest first.
+real sequence (the cost: one more KV slot, 1/max_num_seqs more cache). The fused all-reduce
+workspace must exist before capture (the runner makes it first). Graphs share one memory
+pool, captured largest first.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """The captured decode steps of one model and KV cache; ``run(batch)`` replays one."""
+
     def __init__(self, model, kv_caches: list, max_num_seqs: int, pad_slot: int):
         self.model, self.kv_caches, self.pad_slot = model, kv_caches, pad_slot
         self.sizes = capture_sizes(max_num_seqs)

@@ -241,7 +241,8 @@ def _gate_up_kernel(x_ptr, w_ptr, sh_ptr, h_ptr, sorted_ptr, block_expert_ptr, N
     cm = cols < I
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_x + kk[None, :]
-    g_ptrs = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we) + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    w_base = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we)
+    g_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
     u_ptrs = g_ptrs + I * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -274,7 +275,8 @@ def _down_kernel(h_ptr, w_ptr, sh_ptr, y_ptr, pw_ptr, sorted_ptr, block_expert_p
     cm = cols < H
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None] * stride_h + kk[None, :]
-    b_ptrs = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we) + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    w_base = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we)
+    b_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         km = kk < K - k0

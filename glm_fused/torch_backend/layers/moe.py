@@ -92,10 +92,10 @@ class Experts(nn.Module):
     """
 
     def __init__(self, expert_range: tuple[int, int], hidden_size: int, intermediate_size_local: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, partial: bool = False):
         super().__init__()
         self.first, self.last = expert_range
-        self.partial = None  # set by MoE: True when this rank holds only some of the experts
+        self.partial = partial  # this rank holds only some of the experts (expert_range is not all)
         n = self.last - self.first
         self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * intermediate_size_local, hidden_size, dtype=dtype),
                                          requires_grad=False)
@@ -143,8 +143,8 @@ class MoE(nn.Module):
         super().__init__()
         self.comm, self.reduce_results = comm, reduce_results
         self.gate = TopKRouter(config)
-        self.experts = Experts(shard.experts(), config.hidden_size, shard.moe_intermediate_size, dtype=dtype)
-        self.experts.partial = shard.experts() != (0, config.n_routed_experts)
+        self.experts = Experts(shard.experts(), config.hidden_size, shard.moe_intermediate_size, dtype=dtype,
+                               partial=shard.experts() != (0, config.n_routed_experts))
         # One shared expert as wide as a routed one can ride in the routed GEMMs (Triton path).
         self.fold_shared = shard.shared_intermediate_size == shard.moe_intermediate_size
         self.shared_experts = MLP(config.hidden_size, shard.shared_intermediate_size, comm,
