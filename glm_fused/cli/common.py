@@ -181,7 +181,7 @@ class Rank:
             self.config, a.model_dir, tp_rank=self.rank, tp_size=self.world, dtype=a.dtype,
             fused=not a.unfused, fusion=a.fusion, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
             max_num_batched_tokens=a.max_num_batched_tokens, load_format=a.load_format, seed=a.seed,
-            cuda_graph=not getattr(a, "enforce_eager", False))
+            cuda_graph=not a.enforce_eager)
         return self.runner
 
     def kv_cache_bytes(self) -> int:

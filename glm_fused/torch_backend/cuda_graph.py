@@ -33,7 +33,7 @@ class DecodeGraphs:
     """The captured decode steps of one model and KV cache; ``run(batch)`` replays one."""
 
     def __init__(self, model, kv_caches: list, max_num_seqs: int, pad_slot: int):
-        self.model, self.kv_caches, self.pad_slot = model, kv_caches, pad_slot
+        self.model, self.pad_slot = model, pad_slot
         self.sizes = capture_sizes(max_num_seqs)
         n = self.sizes[-1]
         dev = model.device
