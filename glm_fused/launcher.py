@@ -27,6 +27,7 @@ exception (status 1). No rank outlives the launch, even when the launcher is SIG
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import ctypes
 import glob
@@ -59,6 +60,11 @@ STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 Worker = str | Callable[[Any], Any]
 
+# What must run when this rank's worker has returned, before the process exits: whoever
+# joins a process group registers how to leave it (see ``at_rank_end``).
+_RANK_END_HOOKS: list[Callable[[], None]] = []
+_END_AT_EXIT = False
+
 
 # ---- where am I ------------------------------------------------------------------------
 
@@ -75,6 +81,29 @@ def world_size() -> int:
 
 def is_rank0() -> bool:
     return current_rank() == 0
+
+
+def at_rank_end(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` once this rank's worker has returned, before the process exits.
+
+    A backend's ``init_distributed`` registers its process-group teardown here, so every
+    entry point leaves its collectives the same way: all ranks meet, then the group is
+    destroyed while the interpreter is still whole (docs/design.md, "How a rank ends").
+    """
+    global _END_AT_EXIT
+    if not _END_AT_EXIT:
+        # Outside the launcher (a library user's own torchrun job) nobody calls _end_rank:
+        # interpreter exit does, before finalization. After _end_rank no hooks are left.
+        atexit.register(_end_rank)
+        _END_AT_EXIT = True
+    if hook not in _RANK_END_HOOKS:
+        _RANK_END_HOOKS.append(hook)
+
+
+def _end_rank() -> None:
+    """Run the registered hooks, last registered first; each runs once."""
+    while _RANK_END_HOOKS:
+        _RANK_END_HOOKS.pop()()
 
 
 def _first_env(*names: str) -> str | None:
@@ -289,7 +318,9 @@ def _run_here(worker: Worker, payload: str, timeout: float | None, rank: int) ->
     prefix = f"rank {rank}: " if rank else ""
     try:
         with _alarm(timeout):
-            return _call(worker, payload)
+            code = _call(worker, payload)
+            _end_rank()
+            return code
     except UserError as e:
         _print_error(prefix + str(e))
         return e.exit_code
@@ -627,6 +658,7 @@ def _run_rank(spec: str, payload: str) -> int:
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # see _Ranks._start
         code = _call(spec, payload)
+        _end_rank()
         _ignore_stop_requests()
         return code
     except UserError as e:

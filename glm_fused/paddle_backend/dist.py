@@ -61,7 +61,22 @@ def init_distributed() -> tuple[int, int]:
         # may need filling in when a rank was started by hand.
         os.environ.setdefault("PADDLE_DISTRI_BACKEND", dist_backend())
         dist.init_parallel_env()
+        from glm_fused.launcher import at_rank_end
+
+        at_rank_end(shutdown_distributed)
     return rank, world
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group in a known order: all ranks meet in a barrier (none is still
+    inside a collective with a peer), then the group is destroyed (as the torch backend does)."""
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_world_size() > 1:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def collective_place():
@@ -183,5 +198,5 @@ class FlashInferCommBackend(CommBackendBase):
         dist.barrier(group=self._comm.group)
 
 
-__all__ = ["TPComm", "FlashInferCommBackend", "init_distributed", "broadcast_int64", "barrier",
+__all__ = ["TPComm", "FlashInferCommBackend", "init_distributed", "shutdown_distributed", "broadcast_int64", "barrier",
            "device", "dist_backend", "shares_gpu", "rank_and_world"]

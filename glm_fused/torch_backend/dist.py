@@ -58,7 +58,29 @@ def init_distributed() -> tuple[int, int]:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         kwargs = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world, **kwargs)
+        from glm_fused.launcher import at_rank_end
+
+        at_rank_end(shutdown_distributed)
     return rank, world
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group in a known order: all ranks meet in a barrier (none is still
+    inside a collective with a peer), then the group is destroyed, which joins gloo's and
+    NCCL's threads while the interpreter is whole.
+
+    Left to interpreter exit, a gloo worker thread can drop its last finished work item
+    during finalization; freeing the item's tensors takes the GIL, which a finalizing
+    interpreter answers with pthread_exit inside a noexcept destructor: std::terminate,
+    SIGABRT ("terminate called without an active exception").
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_world_size() > 1:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def _collective_device() -> torch.device:
@@ -160,5 +182,5 @@ class FlashInferCommBackend(CommBackendBase):
         dist.barrier(group=self._comm.group)
 
 
-__all__ = ["TPComm", "FlashInferCommBackend", "init_distributed", "broadcast_int64", "barrier",
+__all__ = ["TPComm", "FlashInferCommBackend", "init_distributed", "shutdown_distributed", "broadcast_int64", "barrier",
            "device", "dist_backend", "shares_gpu", "rank_and_world"]
