@@ -8,7 +8,7 @@ itself never imports Paddle or torch.
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Glm4MoeForCausalLM": ("glm_fused.paddle_backend.model", "Glm4MoeForCausalLM"),
+    "Glm4MoeForCausalLM": ("glm_fused.paddle_backend", "Glm4MoeForCausalLM"),
     "Glm4MoeConfig": ("glm_fused.config", "Glm4MoeConfig"),
 }
 

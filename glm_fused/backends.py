@@ -11,7 +11,8 @@ DEFAULT_BACKEND = "paddle"
 
 
 def get_backend(name: str = DEFAULT_BACKEND):
-    """The backend module: init_distributed, broadcast_int64, barrier, ModelRunner."""
+    """The backend module: LAYERS (the model bound to the framework), OPS, init_distributed,
+    broadcast_int64, barrier."""
     if name not in BACKENDS:
         raise UserError(f"--backend {name!r}: choose one of {', '.join(BACKENDS)}")
     framework = "paddlepaddle" if name == "paddle" else "torch"

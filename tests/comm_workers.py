@@ -7,6 +7,7 @@ from pathlib import Path
 def comm_backend(args: dict) -> None:
     """FlashInfer's comm_backend protocol over each backend's TP group, as the workspace uses it."""
     from glm_fused.backends import get_backend
+    from glm_fused.fused_op import CommBackend
     from glm_fused.launcher import at_rank_end
 
     out: dict = {}
@@ -15,7 +16,7 @@ def comm_backend(args: dict) -> None:
     backend = get_backend(args["backend"])
     rank, world = backend.init_distributed()
     comm = backend.dist.TPComm(rank, world)
-    cb = comm.flashinfer_comm_backend()
+    cb = CommBackend(comm)  # FlashInfer's protocol over this TP group
     out.update({
         "rank": cb.Get_rank(), "size": cb.Get_size(),
         "gathered": cb.allgather({"pid_of": rank, "handle": [rank] * 3}),

@@ -3,7 +3,7 @@ CPU ranks (``--dry-run``: gloo, the reference maths standing in for the kernel, 
 
 The GPU run itself (FlashInfer kernel, NCCL, CUDA graphs) needs several GPUs; docs/multi-gpu.md
 says how it is launched. What can be checked here: that the crossover and cap rules do what
-they say, that a printed cap row pasted into glm_fused/fusion.py gives back the measured cap
+they say, that a printed cap row pasted into glm_fused/fused_op/policy.py gives back the measured cap
 through the policy code, and that one TP 2 job runs all three sections and reports them.
 """
 
@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from glm_fused import fusion
+from glm_fused.fused_op import policy as fusion
 from glm_fused.cli import bench_fusion as bf
 from glm_fused.errors import UserError
 

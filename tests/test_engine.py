@@ -17,6 +17,7 @@ import pytest
 from glm_fused.batch import ForwardBatch
 from glm_fused.engine import InvalidParam, LLMEngine, SamplingParams, Scheduler, Sequence, run_worker, sample
 from glm_fused.engine.llm_engine import CMD_NOOP
+from glm_fused.engine_args import EngineArgs
 from glm_fused.tokenizer import IncrementalDecoder
 
 VOCAB = 64
@@ -49,10 +50,13 @@ class FakeRunner:
         return np.random.default_rng(int.from_bytes(digest[:8], "little")).standard_normal(self.vocab)
 
 
+def settings(max_num_seqs: int, max_model_len: int, budget: int) -> EngineArgs:
+    return EngineArgs(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget)
+
+
 def make_engine(max_num_seqs=4, max_model_len=64, budget=16, **kwargs):
     runner = FakeRunner(max_num_seqs, max_model_len)
-    engine = LLMEngine(runner, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                       max_num_batched_tokens=budget, vocab_size=VOCAB, **kwargs)
+    engine = LLMEngine(runner, settings(max_num_seqs, max_model_len, budget), vocab_size=VOCAB, **kwargs)
     return engine, runner
 
 
@@ -151,7 +155,7 @@ def test_eos_and_stop_token_ids_finish_with_stop_unless_ignored():
 
 # ---- scheduler -----------------------------------------------------------------------------
 def test_chunked_prefill_respects_budget_and_joins_between_steps():
-    sched = Scheduler(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=8)
+    sched = Scheduler(settings(2, 64, 8))
     a = Sequence("a", list(range(20)), greedy())
     sched.add(a)
 

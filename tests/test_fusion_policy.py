@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from glm_fused import fusion
-from glm_fused.fusion import FallbackLog, FusionStats, KernelEnv, choose_impl, size_cap_tokens, use_oneshot
+from glm_fused.fused_op import policy as fusion
+from glm_fused.fused_op import FallbackLog, FusionStats
+from glm_fused.fused_op.policy import KernelEnv, choose_impl, size_cap_tokens, use_oneshot
 
 ROOT = Path(__file__).resolve().parent.parent
 H = 4096
@@ -193,7 +194,7 @@ def _imports_after(code: str) -> set[str]:
 
 
 def test_policy_imports_no_framework():
-    mods = _imports_after("import glm_fused, glm_fused.fusion")
+    mods = _imports_after("import glm_fused, glm_fused.fused_op.policy, glm_fused.fused_op.op, glm_fused.fused_op.stats")
     assert not {"torch", "paddle", "flashinfer"} & mods
 
 
@@ -206,14 +207,14 @@ def test_adapter_import_does_not_import_flashinfer():
     _torch()
     if "flashinfer" in sys.modules:
         pytest.skip("flashinfer already imported by another test in this process")
-    import glm_fused.flashinfer_adapter  # noqa: F401
+    import glm_fused.fused_op.flashinfer  # noqa: F401
 
     assert "flashinfer" not in sys.modules  # only probe() and the constructor import it
 
 
 def _fa():
     _torch()
-    from glm_fused import flashinfer_adapter
+    from glm_fused.fused_op import flashinfer as flashinfer_adapter
     return flashinfer_adapter
 
 

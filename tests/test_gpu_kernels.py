@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 def kernels():
     gpu_check._setdefault_env()  # before flashinfer.norm is imported
     pytest.importorskip("torch")
-    from glm_fused import flashinfer_adapter
+    from glm_fused.fused_op import flashinfer as flashinfer_adapter
 
     reason = flashinfer_adapter.probe()
     if reason:

@@ -46,7 +46,7 @@ def test_real_size_model_matches_transformers(args):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tp4_on_one_gpu_is_served_by_the_kernel(args):
-    from glm_fused import flashinfer_adapter
+    from glm_fused.fused_op import flashinfer as flashinfer_adapter
 
     reason = flashinfer_adapter.probe()
     if reason:

@@ -418,6 +418,7 @@ def fake_server(request):
     from test_engine import FakeRunner
 
     from glm_fused.engine import LLMEngine
+    from glm_fused.engine_args import EngineArgs
     from glm_fused.server import EngineBridge, HttpServer, ServerMetrics, create_app, run_engine_loop
 
     opts = getattr(request, "param", {})
@@ -434,8 +435,8 @@ def fake_server(request):
     http = HttpServer(app, "127.0.0.1", port)
     http.start()
     assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503  # not loaded yet
-    bridge.engine = LLMEngine(FakeRunner(2, 64, vocab=1024), max_num_seqs=2, max_model_len=64,
-                              max_num_batched_tokens=8, vocab_size=1024, tokenizer=tokenizer)
+    settings = EngineArgs(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=8)
+    bridge.engine = LLMEngine(FakeRunner(2, 64, vocab=1024), settings, vocab_size=1024, tokenizer=tokenizer)
     bridge.loop_error = None
 
     def engine_loop():

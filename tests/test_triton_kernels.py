@@ -96,13 +96,15 @@ def test_cuda_graph_decode_matches_eager(cuda, monkeypatch):
     import numpy as np
 
     from glm_fused.batch import ForwardBatch
-    from glm_fused.config import Glm4MoeConfig
-    from glm_fused.torch_backend.runner import ModelRunner
+    from glm_fused.engine_args import EngineArgs
+    from glm_fused.runner import ModelRunner
 
-    config = Glm4MoeConfig.from_json_file(HERE.parent / "configs" / "glm-4.5-air-tiny.json")
-    runners = {graph: ModelRunner(config, None, tp_rank=0, tp_size=1, dtype="bfloat16", fused=True,
-                                  fusion="auto", max_num_seqs=6, max_model_len=64, max_num_batched_tokens=64,
-                                  load_format="dummy", seed=3, cuda_graph=graph) for graph in (True, False)}
+    def settings(graph: bool) -> EngineArgs:
+        return EngineArgs(backend="torch", device="gpu", dtype="bfloat16", max_num_seqs=6, max_model_len=64,
+                          max_num_batched_tokens=64, load_format="dummy", seed=3, enforce_eager=not graph).resolve()
+
+    config = settings(True).config()
+    runners = {graph: ModelRunner(settings(graph), config, tp_rank=0, tp_size=1) for graph in (True, False)}
     assert runners[True].graphs is not None and runners[True].graphs.sizes == [1, 2, 4, 6]
     assert runners[False].graphs is None
     rng = np.random.default_rng(0)

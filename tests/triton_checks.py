@@ -2,7 +2,7 @@
 
 Used by tests/test_triton_kernels.py on the GPU (real sizes) and, small, under Triton's CPU
 interpreter (``TRITON_INTERPRET=1``, set before triton is imported: run this file as a
-script). The eager layers are the ones tests/test_torch_model.py proves against transformers.
+script). The eager maths is what tests/test_model.py proves against transformers.
 
 ``python tests/triton_checks.py [cpu|cuda] [float32|bfloat16]`` prints one JSON line per check.
 """
@@ -38,8 +38,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_add_rmsnorm(device, dtype, rows=37, hidden=192, seed=0):
+    from glm_fused.torch_backend import OPS
     from glm_fused.torch_backend.kernels.rmsnorm import add_rmsnorm
-    from glm_fused.torch_backend.layers.layernorm import rms_norm
+
+    rms_norm = OPS.rms_norm  # the maths written once in glm_fused.model.ops (no kernel behind it)
 
     g = torch.Generator().manual_seed(seed)
     x, r = (torch.randn(rows, hidden, generator=g).to(device, dtype) for _ in range(2))
@@ -53,11 +55,11 @@ def check_add_rmsnorm(device, dtype, rows=37, hidden=192, seed=0):
 
 
 def check_rope_and_store(device, dtype, T=5, heads=6, kv_heads=2, head_dim=32, rotary_dim=16, seed=1):
+    from glm_fused.torch_backend import LAYERS
     from glm_fused.torch_backend.kernels.rotary import rope_and_store
-    from glm_fused.torch_backend.layers.rotary_embedding import RotaryEmbedding
 
     g = torch.Generator().manual_seed(seed)
-    rope = RotaryEmbedding(head_dim, rotary_dim, 64, 10000.0).to(device)
+    rope = LAYERS.RotaryEmbedding(head_dim, rotary_dim, 64, 10000.0).to(device)
     width = (heads + 2 * kv_heads) * head_dim
     qkv = torch.randn(T, width, generator=g).to(device, dtype)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
@@ -141,14 +143,15 @@ def check_fused_moe(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4
                 if p < T * top_k:
                     ok &= int(be[b]) == int(flat[p])
         res[f"align_bad_m{block_m}"] = float(not ok)
-    # experts: the eager per-expert loop (Experts.forward) on the same routing
-    from glm_fused.torch_backend.layers.moe import Experts
+    # experts: the per-expert loop written once (Ops.routed_experts) on the same routing
+    from glm_fused.torch_backend import OPS
 
     first, last = expert_range or (0, experts)
-    ref_layer = Experts((first, last), hidden, inter, dtype=dtype).to(device)
-    ref_layer.gate_up_proj.data.copy_(wg[first:last])
-    ref_layer.down_proj.data.copy_(wd[first:last])
-    ref = ref_layer._loop(x, weights, ids.long()) + shared
+
+    def loop(w, i):
+        return OPS.routed_experts(x, wg[first:last], wd[first:last], w, i, (first, last))
+
+    ref = loop(weights, ids.long()) + shared
     out = fused_experts(x, wg[first:last], wd[first:last], weights, ids, shared,
                         expert_range=expert_range)
     res["experts"] = rel(out, ref)
@@ -158,7 +161,7 @@ def check_fused_moe(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4
     sh_gu = (0.1 * torch.randn(2 * inter, hidden, generator=g)).to(device, dtype)
     sh_dn = (0.1 * torch.randn(hidden, inter, generator=g)).to(device, dtype)
     gate, up = F.linear(x, sh_gu).chunk(2, dim=-1)
-    ref = ref_layer._loop(x, weights, ids.long()) + F.linear(F.silu(gate) * up, sh_dn)
+    ref = loop(weights, ids.long()) + F.linear(F.silu(gate) * up, sh_dn)
     w2, ids2 = router_topk(logits, bias, top_k, True, 2.5, append_shared=True)
     res["router_shared_column_bad"] = float(not (bool((ids2[:, -1] == experts).all())
                                                  and bool((w2[:, -1] == 1).all())
@@ -191,13 +194,12 @@ def check_model(device, dtype, qk_norm=False, seed=4):
     from glm_fused.batch import ForwardBatch
     from glm_fused.cli.bench_layers import fill_random
     from glm_fused.config import Glm4MoeConfig
-    from glm_fused.torch_backend import kernels
-    from glm_fused.torch_backend.model import Glm4MoeForCausalLM
+    from glm_fused.torch_backend import Glm4MoeForCausalLM, kernels
 
     config = Glm4MoeConfig.from_json_file(Path(__file__).resolve().parents[1] / "configs" / "glm-4.5-air-tiny.json")
     config = dataclasses.replace(config, use_qk_norm=qk_norm)
     with torch.device(device):
-        model = Glm4MoeForCausalLM(config, dtype=dtype, max_position=64)
+        model = Glm4MoeForCausalLM(config, dtype=str(dtype).removeprefix("torch."), max_position=64)
     with torch.no_grad():
         fill_random(model, config, seed)
     g = torch.Generator().manual_seed(seed)

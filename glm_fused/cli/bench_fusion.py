@@ -10,7 +10,7 @@ that the visible GPUs allow, one job runs three sections (``--only``):
   timing  the fused op vs the unfused pair (NCCL all-reduce, then add + RMSNorm by torch - the
           model's fallback - or by flashinfer.norm.fused_add_rmsnorm) at every token count,
           under CUDA graphs, medians over many replays: the ratio, the crossover, and the
-          per-(sm, TP) size cap in the form glm_fused/fusion.py keeps it (paste-ready)
+          per-(sm, TP) size cap in the form glm_fused/fused_op/policy.py keeps it (paste-ready)
   model   GLM-4.5-Air at its real sizes (random weights, ``--num-layers`` of them) in the
           unfused and the fused layout: logit parity, decode time per output token at batch
           1/8/32/64 and prefill time at 2048 tokens, side by side
@@ -105,8 +105,8 @@ def best_time(row: dict, keys) -> tuple[float | None, str | None]:
 
 
 def fused_by_rule(row: dict, tp: int, hidden: int, sm: int | None) -> float | None:
-    """The fused time of the algorithm ``glm_fused.fusion.use_oneshot`` picks today."""
-    from glm_fused import fusion
+    """The fused time of the algorithm ``glm_fused.fused_op.policy.use_oneshot`` picks today."""
+    from glm_fused.fused_op import policy as fusion
 
     oneshot = fusion.use_oneshot(tp, row["tokens"], hidden, DTYPE_BYTES, sm=sm)
     return row.get("fused_oneshot" if oneshot else "fused_twoshot")
@@ -529,7 +529,7 @@ def _read_json(path: Path) -> dict | None:
 
 def build_report(args, meta: dict, results: dict[int, dict]) -> dict:
     """Everything the tables show, and the verdict."""
-    from glm_fused import fusion
+    from glm_fused.fused_op import policy as fusion
 
     hidden = args.hidden
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d")
@@ -610,7 +610,7 @@ def render_report(report: dict) -> str:
         if cross:
             out.append(_crossover_line(tp, cross, per))
     if caps.get("size_cap_row"):
-        out.append("Paste into glm_fused/fusion.py, `_SIZE_CAP_BYTES` (replacing this sm's entry), together "
+        out.append("Paste into glm_fused/fused_op/policy.py, `_SIZE_CAP_BYTES` (replacing this sm's entry), together "
                    "with the one-shot row into `_ONESHOT_MAX_BYTES` (the caps assume the better algorithm):")
         out.append("```\n" + caps["size_cap_row"] + "\n" + caps["oneshot_row"] + "\n```")
         for n in caps.get("notes", []):
@@ -799,7 +799,7 @@ def _make_kernel(ctx: _Rank):
 
         return StandInKernel(tp_rank=ctx.rank, tp_size=ctx.world, max_num_tokens=ns.workspace_tokens,
                               hidden_size=ns.hidden, group=None)
-    from glm_fused import flashinfer_adapter as fa
+    from glm_fused.fused_op import flashinfer as fa
 
     comm = ctx.tdist.TPComm(ctx.rank, ctx.world)
     try:
@@ -817,8 +817,9 @@ def run_check(ctx: _Rank, kernel) -> dict:
     """Each token count: fused (one-shot, two-shot, adapter's choice in place) and the model's
     unfused bf16 path, against fp32 NCCL all-reduce + add + RMSNorm."""
     from glm_fused.cli.gpu_check import digest, ref_fused, rel_error
-    from glm_fused import fusion
-    from glm_fused.torch_backend.layers.layernorm import fused_allreduce_residual_rmsnorm
+    from glm_fused.fused_op import policy as fusion
+    from glm_fused.fused_op import fused_allreduce_residual_rmsnorm
+    from glm_fused.torch_backend import OPS
 
     import torch.distributed as dist
 
@@ -848,7 +849,7 @@ def run_check(ctx: _Rank, kernel) -> dict:
             worst["nccl_vs_local"] = max(worst["nccl_vs_local"], rel_error(ref_res, local_res))
             if mode == "unfused":
                 got_norm, got_res = fused_allreduce_residual_rmsnorm(partial.clone(), residual, weight, EPS,
-                                                                     reference_comm)
+                                                                     reference_comm, OPS)
                 ctx.sync()
                 worst["unfused_normed_rel"] = rel_error(got_norm, ref_norm)
                 worst["unfused_residual_rel"] = rel_error(got_res, ref_res)
@@ -897,7 +898,8 @@ def run_timing(ctx: _Rank, kernel) -> dict:
     dev, hidden = ctx.device, ns.hidden
     import torch.distributed as dist
 
-    from glm_fused.torch_backend.layers.layernorm import fused_allreduce_residual_rmsnorm
+    from glm_fused.fused_op import fused_allreduce_residual_rmsnorm
+    from glm_fused.torch_backend import OPS
 
     fi_norm, fi_norm_error = None, "CPU run" if not ctx.on_gpu else None
     if ctx.on_gpu:
@@ -923,7 +925,7 @@ def run_timing(ctx: _Rank, kernel) -> dict:
         ops = {
             "fused_oneshot": lambda: kernel(partial, residual, weight, EPS, norm_out=norm_out, residual_out=res_out,
                                             use_oneshot=True),
-            "unfused_torch": lambda: fused_allreduce_residual_rmsnorm(work, work_res, weight, EPS, reference_comm),
+            "unfused_torch": lambda: fused_allreduce_residual_rmsnorm(work, work_res, weight, EPS, reference_comm, OPS),
         }
         if n > tp:
             ops["fused_twoshot"] = lambda: kernel(partial, residual, weight, EPS, norm_out=norm_out,
@@ -1068,7 +1070,8 @@ def run_model(ctx: _Rank) -> dict:
 
     from glm_fused.batch import ForwardBatch
     from glm_fused.cli.logit_diff import DEFAULT_MIN_TOP1, DEFAULT_TOLERANCE
-    from glm_fused.torch_backend import ModelRunner
+    from glm_fused.engine_args import EngineArgs
+    from glm_fused.runner import ModelRunner
 
     ns, torch, tp, rank = ctx.ns, ctx.torch, ctx.world, ctx.rank
     warm, steps = ns.model_warmup, ns.decode_steps
@@ -1115,9 +1118,11 @@ def run_model(ctx: _Rank) -> dict:
     for variant in ns.model_variants:
         fused, fusion_choice = MODEL_VARIANTS[variant]
         t0 = time.perf_counter()
-        runner = ModelRunner(config, None, tp_rank=rank, tp_size=tp, dtype=ns.dtype, fused=fused,
-                             fusion=fusion_choice, max_num_seqs=max_seqs, max_model_len=max_len,
-                             max_num_batched_tokens=step_tokens, load_format="dummy", seed=ns.seed)
+        # Settings built here, not from a command line: the config is this benchmark's own.
+        settings = EngineArgs(tp=tp, backend="torch", device="gpu" if ctx.on_gpu else "cpu", dtype=ns.dtype,
+                              fused=fused, fusion_impl=fusion_choice, max_num_seqs=max_seqs, max_model_len=max_len,
+                              max_num_batched_tokens=step_tokens, load_format="dummy", seed=ns.seed, resolved=True)
+        runner = ModelRunner(settings, config, tp_rank=rank, tp_size=tp)
         ctx.sync()
         build_seconds[variant] = round(time.perf_counter() - t0, 1)
         kernel = getattr(runner.comm, "kernel", None)

@@ -178,15 +178,15 @@ def default_dtype(dtype):
 def build_ours(config, layer_idx: int, dtype, device, seed: int, fused: bool = True):
     """The project's decoder layer at TP 1 (fused or classic layout), random weights (see fill_random)."""
     from glm_fused.sharding import TPShard
+    from glm_fused.torch_backend import LAYERS
     from glm_fused.torch_backend.dist import TPComm
-    from glm_fused.torch_backend.layers.rotary_embedding import RotaryEmbedding
-    from glm_fused.torch_backend.model import Glm4MoeDecoderLayer
 
     comm = TPComm(0, 1)
     with torch.device(device):
-        rotary = RotaryEmbedding(config.head_dim, config.rotary_dim, config.max_position_embeddings,
-                                 config.rope_theta)
-        layer = Glm4MoeDecoderLayer(config, layer_idx, TPShard(config, 0, 1), comm, fused, rotary, dtype)
+        rotary = LAYERS.RotaryEmbedding(config.head_dim, config.rotary_dim, config.max_position_embeddings,
+                                        config.rope_theta)
+        layer = LAYERS.Glm4MoeDecoderLayer(config, layer_idx, TPShard(config, 0, 1), comm, fused, rotary,
+                                           str(dtype).removeprefix("torch."))
     fill_random(layer, config, seed)
     return layer.eval()
 
@@ -353,7 +353,8 @@ def triton_kernels(on: bool):
 def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, device, dtype) -> dict:
     """Time one (layer, step) for every implementation; compare each output with transformers'."""
     from glm_fused.batch import ForwardBatch
-    from glm_fused.torch_backend.layers.attention import AttentionMetadata
+    from glm_fused.model.attention import AttentionMetadata
+    from glm_fused.torch_backend import OPS
 
     ours = layers[True]
     layer_idx = config.first_k_dense_replace if kind == "moe" else 0
@@ -375,7 +376,7 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
         position_ids = torch.full((B, 1), C, device=device)
         cache_len = C + 1
     positions = torch.as_tensor(batch.positions, device=device)
-    meta = AttentionMetadata.from_batch(batch, device)
+    meta = AttentionMetadata.from_batch(batch, OPS, like=positions)
     k_cache = torch.randn(B, cache_len, nkv, D, generator=g, device=device).to(dtype)
     v_cache = torch.randn(B, cache_len, nkv, D, generator=g, device=device).to(dtype)
     kw = _cache_keyword() if hf is not None else None

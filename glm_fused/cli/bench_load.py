@@ -46,9 +46,13 @@ def worker(args: dict) -> None:
     base_rss = _peak_rss_bytes()
     config = Glm4MoeConfig.from_pretrained(args["dir"])
     t0 = time.perf_counter()
-    runner = backend.ModelRunner(config, args["dir"], tp_rank=rank, tp_size=world, dtype="float32",
-                                 fused=True, fusion="reference", max_num_seqs=1, max_model_len=16,
-                                 max_num_batched_tokens=16)
+    from glm_fused.engine_args import EngineArgs
+    from glm_fused.runner import ModelRunner
+
+    engine_args = EngineArgs(model=args["dir"], tp=world, backend=args["backend"], device="cpu", dtype="float32",
+                             fusion_impl="reference", max_num_seqs=1, max_model_len=16,
+                             max_num_batched_tokens=16).resolve()
+    runner = ModelRunner(engine_args, config, tp_rank=rank, tp_size=world)
     load_s = time.perf_counter() - t0
     peak = _peak_rss_bytes()
     shard = sum(int(p.numel()) * 4 for p in runner.model.parameters())  # fp32 parameters

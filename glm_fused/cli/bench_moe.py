@@ -57,8 +57,8 @@ def grouped_mm_moe(x, w_gate_up, w_down, weights, ids):
 
 
 def run(args) -> dict:
+    from glm_fused.torch_backend import LAYERS, OPS
     from glm_fused.torch_backend.kernels import fused_moe as fm
-    from glm_fused.torch_backend.layers.moe import Experts
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -67,7 +67,7 @@ def run(args) -> dict:
     E, H, I, k = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
     bw, rate = copy_bandwidth(dev, 2048), matmul_rate(dev, 8192, dtype)
     g = torch.Generator(device=dev).manual_seed(0)
-    experts = Experts((0, E), H, I, dtype=dtype).to(dev)
+    experts = LAYERS.Experts((0, E), H, I, dtype="bfloat16").to(dev)
     experts.gate_up_proj.data.normal_(0, 0.02, generator=g)
     experts.down_proj.data.normal_(0, 0.02, generator=g)
     router = torch.randn(E, H, generator=g, device=dev) * (2.4 / H ** 0.5)
@@ -80,7 +80,7 @@ def run(args) -> dict:
         hit = int(torch.unique(ids).numel())
         floor_ms = max(hit * 3 * I * H * 2 / bw, 2 * T * k * 3 * I * H / rate) * 1e3
         with torch.inference_mode():
-            ref = experts._loop(x, weights, ids.long())
+            ref = OPS.routed_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids.long(), (0, E))
         small = T <= 256
         rows = []
 
@@ -105,7 +105,7 @@ def run(args) -> dict:
             return lambda: fm.fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids,
                                             gate_up_cfg=fm.TileConfig(*gu), down_cfg=fm.TileConfig(*dn))
 
-        measure("loop", lambda: experts._loop(x, weights, ids.long()))
+        measure("loop", lambda: OPS.routed_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids.long(), (0, E)))
         measure("grouped_mm", lambda: grouped_mm_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids))
         if small:
             for cand in SMALL:

@@ -13,14 +13,15 @@ import sys
 import time
 from pathlib import Path
 
-from glm_fused.cli.common import Rank, add_model_flags, eos_ids, load_tokenizer, run_main, setup_logging
+from glm_fused.cli.common import Rank, eos_ids, load_tokenizer, run_main, setup_logging
+from glm_fused.engine_args import EngineArgs
 from glm_fused.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scripts/generate.py",
                                      description="Generate text with GLM-4.5-Air on --tp ranks.")
-    add_model_flags(parser)
+    EngineArgs.add_cli_args(parser)
     g = parser.add_argument_group("generation")
     g.add_argument("--prompt", action="append", default=None,
                    help="prompt text; repeat for several prompts (run as one batch)")
@@ -114,8 +115,7 @@ def worker(args) -> int:
     prompts = encode_prompts(args, tokenizer)
     runner = rank.build_runner()
     broadcast = (lambda a: rank.backend.broadcast_int64(a, src=0)) if rank.world > 1 else None
-    engine = LLMEngine(runner, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                       max_num_batched_tokens=args.max_num_batched_tokens, vocab_size=rank.config.vocab_size,
+    engine = LLMEngine(runner, rank.args, vocab_size=rank.config.vocab_size,
                        eos_token_ids=eos_ids(rank.config, tokenizer), tokenizer=tokenizer, broadcast=broadcast)
     print(rank.describe(), file=sys.stderr, flush=True)
     for i, ids in enumerate(prompts):

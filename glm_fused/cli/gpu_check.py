@@ -9,7 +9,7 @@ Sections (``--only a,b``; default: all, in this order):
              sharing GPU 0 (gloo group for the workspace exchange), every token-count
              boundary, one-shot and two-shot, outputs poisoned with NaN before each call;
              plus calls past the workspace / size cap, which must take the reference path
-  policy     glm_fused.fusion.choose_impl's decisions on this device's real KernelEnv
+  policy     glm_fused.fused_op.policy.choose_impl's decisions on this device's real KernelEnv
   bench      per-layer prefill / decode timing at real sizes, the project's layer and
              transformers', each as a ratio to the HBM / matrix-rate floor (bench_layers.py)
   model      a random GLM-4.5-Air of --layers layers at real sizes, written by transformers
@@ -138,7 +138,7 @@ def environment() -> dict:
 def _need_kernels() -> str | None:
     """None when CUDA and flashinfer.comm are here; else why the kernel sections skip."""
     try:
-        from glm_fused import flashinfer_adapter
+        from glm_fused.fused_op import flashinfer as flashinfer_adapter
     except ImportError as exc:  # no torch
         return f"torch not importable ({exc})"
     return flashinfer_adapter.probe()
@@ -279,7 +279,7 @@ class StandInKernel:
         self.workspace_bytes = 0
 
     def __call__(self, partial, residual, weight, eps, *, norm_out=None, residual_out=None, use_oneshot=None):
-        from glm_fused.flashinfer_adapter import prepare_call
+        from glm_fused.fused_op.flashinfer import prepare_call
 
         kw = prepare_call(partial, residual, weight, eps, tp_rank=self.tp_rank, tp_size=self.tp_size,
                           max_num_tokens=self.max_num_tokens, hidden_size=self.hidden_size,
@@ -304,8 +304,9 @@ def _allreduce_worker(rank: int, tp: int, port: int, cfg: dict, results) -> None
         import torch
         import torch.distributed as dist
 
-        from glm_fused import fusion
-        from glm_fused import flashinfer_adapter as fa
+        from glm_fused.fused_op import FallbackLog, FusionStats
+        from glm_fused.fused_op import policy as fusion
+        from glm_fused.fused_op import flashinfer as fa
 
         dry = cfg["dry_run"]
         dev = "cpu" if dry else "cuda:0"
@@ -373,7 +374,7 @@ def _allreduce_worker(rank: int, tp: int, port: int, cfg: dict, results) -> None
         else:
             env = fa.kernel_env(tp_size=tp, hidden_size=hidden, workspace_max_tokens=max_tokens)
         cap = fusion.size_cap_tokens(env.sm, tp, hidden, 2)
-        stats, log = fusion.FusionStats(), fusion.FallbackLog()
+        stats, log = FusionStats(), FallbackLog()
         for n in sorted({1, min(cap, max_tokens), cap + 1, max_tokens + 1} - {0}):
             check += 1
             parts, residual, weight = inputs(seed=tp * 1_000_003 + check, n=n)
@@ -507,10 +508,10 @@ def run_allreduce(args) -> dict:
 def run_policy(args) -> dict:
     """choose_impl on this device's real KernelEnv: fused inside the workspace and cap only."""
     try:
-        from glm_fused import flashinfer_adapter as fa
+        from glm_fused.fused_op import flashinfer as fa
     except ImportError as exc:
         return {"status": "skip", "summary": f"torch not importable ({exc})"}
-    from glm_fused import fusion
+    from glm_fused.fused_op import policy as fusion
 
     error = fa.probe()
     decisions, rows, mismatches = [], [], 0
@@ -732,12 +733,14 @@ def run_model(args) -> dict:
     # the continuation fed one token per step, both sequences in each decode batch.
     os.environ["GLM_FUSED_DEVICE"] = "gpu" if device.type == "cuda" else "cpu"
     os.environ["GLM_FUSED_DEVICE_ID"] = "0"
-    from glm_fused.torch_backend import ModelRunner
+    from glm_fused.engine_args import EngineArgs
+    from glm_fused.runner import ModelRunner
 
     t0 = time.perf_counter()
-    runner = ModelRunner(Glm4MoeConfig.from_pretrained(ckpt), ckpt, tp_rank=0, tp_size=1, dtype="bfloat16",
-                         fused=True, fusion="auto", max_num_seqs=len(prompts),
-                         max_model_len=max(len(s) for s in seqs), max_num_batched_tokens=sum(map(len, prompts)))
+    engine_args = EngineArgs(model=str(ckpt), backend="torch", device=os.environ["GLM_FUSED_DEVICE"],
+                             dtype="bfloat16", max_num_seqs=len(prompts), max_model_len=max(len(s) for s in seqs),
+                             max_num_batched_tokens=sum(map(len, prompts))).resolve()
+    runner = ModelRunner(engine_args, Glm4MoeConfig.from_pretrained(ckpt), tp_rank=0, tp_size=1)
     timings["load_ours"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
     try:

@@ -32,13 +32,13 @@ DEFAULT_PROMPTS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from glm_fused.cli import common
+    from glm_fused.engine_args import EngineArgs
 
     p = argparse.ArgumentParser(
         prog="logit_diff.py",
         description="Compare fused (all-reduce + residual + RMSNorm in one call) against unfused logits.",
         epilog="Exit status: 0 within tolerance, 1 past it, 2 for a usage or input error.")
-    common.add_model_flags(p)
+    EngineArgs.add_cli_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt-ids", metavar="FILE.json",
                      help="JSON list of token-id lists")
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     prepared = {}
 
     def checks(args):  # after the shared flag checks, before any rank starts
-        if args.unfused:
+        if not args.fused:
             raise UserError("--unfused: logit_diff always runs both layouts; drop the flag")
         if args.max_new_tokens < 0:
             raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
@@ -210,7 +210,7 @@ def worker(args: dict) -> None:
     rank = common.Rank(ns)
     for fused in (True, False):
         tag = "fused" if fused else "unfused"
-        ns.unfused = not fused
+        rank.args.fused = fused
         runner = rank.build_runner()
         try:
             for i, prompt in enumerate(ns.prompts):
@@ -223,7 +223,7 @@ def worker(args: dict) -> None:
                     step = runner.forward(ForwardBatch.decode([tokens[-1]], [len(prompt) + k], [0]))
                     if i == 0 and k == 0:
                         stats[f"{tag}_decode"] = runner.fusion_stats()  # one decode forward
-                        stats[f"{tag}_decode_mode"] = rank.decode_mode()
+                        stats[f"{tag}_decode_mode"] = runner.decode_mode()
                     tokens.append(int(step[0].argmax()))
                 out[f"{tag}_greedy_{i}"] = np.asarray(tokens, dtype=np.int64)
         finally:

@@ -14,7 +14,8 @@ import socket
 import sys
 import time
 
-from glm_fused.cli.common import Rank, add_model_flags, eos_ids, load_tokenizer, run_main, setup_logging
+from glm_fused.cli.common import Rank, eos_ids, load_tokenizer, run_main, setup_logging
+from glm_fused.engine_args import EngineArgs
 from glm_fused.errors import UserError
 
 logger = logging.getLogger("glm_fused.serve")
@@ -24,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scripts/serve.py",
         description="OpenAI-compatible server (continuous batching, streaming) for GLM-4.5-Air.")
-    add_model_flags(parser)
+    EngineArgs.add_cli_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -100,8 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
         runner = rank.build_runner()
         rank.backend.barrier()  # every rank has loaded
         broadcast = (lambda a: rank.backend.broadcast_int64(a, src=0)) if rank.world > 1 else None
-        engine = LLMEngine(runner, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                           max_num_batched_tokens=args.max_num_batched_tokens, vocab_size=rank.config.vocab_size,
+        engine = LLMEngine(runner, rank.args, vocab_size=rank.config.vocab_size,
                            eos_token_ids=eos_ids(rank.config, tokenizer), tokenizer=tokenizer, broadcast=broadcast)
         logger.info("%s", rank.describe())
         info.update(rank.info())

@@ -19,6 +19,7 @@ import numpy as np
 from glm_fused.batch import ForwardBatch
 from glm_fused.engine.sampling import InvalidParam, SamplingParams, sample
 from glm_fused.engine.scheduler import Scheduler
+from glm_fused.engine_args import EngineArgs
 from glm_fused.engine.sequence import Sequence
 from glm_fused.tokenizer import IncrementalDecoder
 
@@ -46,14 +47,13 @@ class LLMEngine:
     feeds it through a queue; ``generate`` drives it offline.
     """
 
-    def __init__(self, runner, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 vocab_size: int | None = None, eos_token_ids: Iterable[int] = (),
-                 tokenizer=None,
+    def __init__(self, runner, args: EngineArgs, *, vocab_size: int | None = None,
+                 eos_token_ids: Iterable[int] = (), tokenizer=None,
                  broadcast: Callable[[np.ndarray], object] | None = None,
                  heartbeat_s: float = 2.0):
         self.runner = runner
-        self.scheduler = Scheduler(max_num_seqs, max_model_len, max_num_batched_tokens)
-        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(args)
+        self.max_model_len = args.max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.tokenizer = tokenizer  # glm_fused.tokenizer.Tokenizer (or anything with decode): text output

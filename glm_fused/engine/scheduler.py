@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from glm_fused.batch import ForwardBatch
+from glm_fused.engine_args import EngineArgs
 from glm_fused.engine.sequence import Sequence, Status
 
 
@@ -39,13 +40,12 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int):
-        if min(max_num_seqs, max_model_len, max_num_batched_tokens) < 1:
-            raise ValueError("scheduler sizes must be positive")
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.free_slots: deque[int] = deque(range(max_num_seqs))
+    def __init__(self, args: EngineArgs):
+        """``args``: the engine's settings (``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``)."""
+        self.max_num_seqs = args.max_num_seqs
+        self.max_model_len = args.max_model_len
+        self.max_num_batched_tokens = args.max_num_batched_tokens
+        self.free_slots: deque[int] = deque(range(self.max_num_seqs))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # admission order
 

@@ -1,10 +1,8 @@
-"""The tensor-parallel process group (paddle.distributed) and the collectives the layers use.
+"""The tensor-parallel process group in paddle.distributed, and its collectives (``glm_fused.comm``).
 
-The TP group IS the world group: one model replica spread over every rank the launcher
-started. Rank, size, device and backend come from the launcher's environment
-(docs/design.md, "Launcher environment"). Only global-group collectives are used: on CPU
-(gloo) Paddle's all_reduce, all_gather, broadcast and barrier are reliable there, while extra
-groups from ``new_group`` fail intermittently.
+Only global-group collectives are used: on CPU (gloo) Paddle's all_reduce, all_gather,
+broadcast and barrier are reliable there, while extra groups from ``new_group`` fail
+intermittently.
 """
 
 from __future__ import annotations
@@ -15,41 +13,12 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from glm_fused.fusion import CommBackendBase, FallbackLog, FusionStats
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
-
-
-def rank_and_world() -> tuple[int, int]:
-    return (_env_int("GLM_FUSED_RANK", _env_int("PADDLE_TRAINER_ID", 0)),
-            _env_int("GLM_FUSED_WORLD_SIZE", _env_int("PADDLE_TRAINERS_NUM", 1)))
+from glm_fused.comm import TPCommBase, device_index, device_kind, dist_backend, rank_and_world, shares_gpu
 
 
 def device() -> str:
     """This rank's Paddle device string: GLM_FUSED_DEVICE (cpu | gpu) and GLM_FUSED_DEVICE_ID."""
-    kind = os.environ.get("GLM_FUSED_DEVICE", "cpu").lower()
-    if kind in ("gpu", "cuda"):
-        return f"gpu:{_env_int('GLM_FUSED_DEVICE_ID', 0)}"
-    return "cpu"
-
-
-def is_cpu() -> bool:
-    return device() == "cpu"
-
-
-def dist_backend() -> str:
-    backend = os.environ.get("GLM_FUSED_DIST_BACKEND")
-    if backend:
-        return backend
-    return "gloo" if is_cpu() else "nccl"
-
-
-def shares_gpu() -> bool:
-    """Several ranks on one GPU: the launcher says so by choosing gloo on a GPU run."""
-    return not is_cpu() and dist_backend() == "gloo"
+    return f"gpu:{device_index()}" if device_kind() == "gpu" else "cpu"
 
 
 def init_distributed() -> tuple[int, int]:
@@ -84,7 +53,7 @@ def collective_place():
     (also when ranks share one GPU)."""
     if dist_backend() == "gloo":
         return paddle.CPUPlace()
-    return paddle.CUDAPlace(_env_int("GLM_FUSED_DEVICE_ID", 0))
+    return paddle.CUDAPlace(device_index())
 
 
 def broadcast_int64(array: np.ndarray | None, src: int = 0) -> np.ndarray:
@@ -112,39 +81,25 @@ def barrier() -> None:
         dist.barrier()
 
 
-class TPComm:
-    """This rank's handle on the TP group, shared by every layer of one model.
-
-    Besides the collectives it carries the fusion state the fused norm op needs: the counters
-    of the current forward, the FlashInfer kernel (made at start-up by the runner, or None),
-    the ``glm_fused.fusion.KernelEnv`` that decides per call, and the once-only fallback log.
-    """
+class TPComm(TPCommBase):
+    """``TPCommBase`` over paddle.distributed (the TP group is the world)."""
 
     def __init__(self, rank: int = 0, size: int = 1, group=None):
-        self.rank, self.size, self.group = rank, size, group
         if size > 1 and not dist.is_initialized():
             raise RuntimeError(f"TPComm(size={size}) needs paddle.distributed initialised first")
-        self.stats = FusionStats()
-        self.fallback_log = FallbackLog()
-        self.kernel = None      # FlashInferAllReduceFusion or None
-        self.kernel_env = None  # glm_fused.fusion.KernelEnv or None (then always the reference)
+        super().__init__(rank, size, group)
         # Ranks sharing one GPU talk over gloo, which moves host tensors: activations take a
         # round trip through host memory (slow, but only the test set-up of a single GPU does it).
         self._via_host = size > 1 and shares_gpu()
 
     @classmethod
-    def from_env(cls) -> "TPComm":
-        rank, world = init_distributed()
-        return cls(rank, world)
-
-    def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
-        """Sum over the TP group (in place where the backend allows; use the result); counted
-        as one plain all-reduce."""
-        self.stats.record_plain_allreduce()
-        return self.all_reduce_uncounted(x)
+    def from_env(cls, tp_rank: int, tp_size: int) -> "TPComm":
+        """Join the group if needed (``tp_size > 1``), then this rank's handle."""
+        if tp_size > 1:
+            init_distributed()
+        return cls(tp_rank, tp_size)
 
     def all_reduce_uncounted(self, x: paddle.Tensor) -> paddle.Tensor:
-        """The reference path of the fused op uses this (it counts its call as a fused one)."""
         if self.size == 1:
             return x
         if self._via_host:
@@ -154,13 +109,12 @@ class TPComm:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def all_gather(self, x: paddle.Tensor, axis: int = -1) -> paddle.Tensor:
-        """Concatenate every rank's ``x`` along ``axis`` in rank order (vocab-parallel logits)."""
+    def all_gather(self, x: paddle.Tensor, dim: int = -1) -> paddle.Tensor:
         if self.size == 1:
             return x
         parts: list[paddle.Tensor] = []
         dist.all_gather(parts, x.cpu() if self._via_host else x.contiguous(), group=self.group)
-        out = paddle.concat(parts, axis=axis)
+        out = paddle.concat(parts, axis=dim)
         return out.to(x.place) if self._via_host else out
 
     def broadcast(self, x: paddle.Tensor, src: int = 0) -> paddle.Tensor:
@@ -173,30 +127,24 @@ class TPComm:
         dist.broadcast(x, src=src, group=self.group)
         return x
 
-    def flashinfer_comm_backend(self) -> "FlashInferCommBackend":
-        return FlashInferCommBackend(self)
-
-
-class FlashInferCommBackend(CommBackendBase):
-    """FlashInfer's ``comm_backend`` protocol over this TP group (see ``fusion.CommBackendBase``)."""
-
-    def __init__(self, comm: TPComm):
-        super().__init__(comm.rank, comm.size)
-        self._comm = comm
-
-    def _allgather(self, data) -> list:
+    def all_gather_object(self, obj) -> list:
         out: list = []
-        dist.all_gather_object(out, data, group=self._comm.group)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _bcast(self, data, root: int):
-        box = [data]
-        dist.broadcast_object_list(box, src=root, group=self._comm.group)
+    def broadcast_object(self, obj, src: int):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
-    def _barrier(self) -> None:
-        dist.barrier(group=self._comm.group)
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def all_agree(self, ok: bool) -> bool:
+        flag = paddle.to_tensor([int(ok)], dtype="int32", place=collective_place())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(int(flag.item()))
 
 
-__all__ = ["TPComm", "FlashInferCommBackend", "init_distributed", "shutdown_distributed", "broadcast_int64", "barrier",
-           "device", "dist_backend", "shares_gpu", "rank_and_world"]
+__all__ = ["TPComm", "init_distributed", "shutdown_distributed", "broadcast_int64", "barrier", "device",
+           "dist_backend", "shares_gpu", "rank_and_world", "collective_place"]

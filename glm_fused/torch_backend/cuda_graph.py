@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from glm_fused.batch import ForwardBatch
-from glm_fused.fusion import FusionStats
-from glm_fused.torch_backend.layers.attention import AttentionMetadata
+from glm_fused.fused_op.stats import FusionStats
+from glm_fused.model.attention import AttentionMetadata
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

@@ -1,10 +1,4 @@
-"""The tensor-parallel process group (torch.distributed) and the collectives the layers use.
-
-The TP group IS the world group: one model replica spread over every rank the launcher
-started. Rank, size, device and backend come from the launcher's environment
-(docs/design.md, "Launcher environment"). On CPU the backend is gloo; ranks that share one
-GPU also use gloo (it carries CUDA tensors through host memory); one GPU per rank uses NCCL.
-"""
+"""The tensor-parallel process group in torch.distributed, and its collectives (``glm_fused.comm``)."""
 
 from __future__ import annotations
 
@@ -14,39 +8,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from glm_fused.fusion import CommBackendBase, FallbackLog, FusionStats
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
-
-
-def rank_and_world() -> tuple[int, int]:
-    return (_env_int("GLM_FUSED_RANK", _env_int("RANK", 0)),
-            _env_int("GLM_FUSED_WORLD_SIZE", _env_int("WORLD_SIZE", 1)))
+from glm_fused.comm import TPCommBase, device_index, device_kind, dist_backend, rank_and_world, shares_gpu
 
 
 def device() -> torch.device:
     """This rank's device: GLM_FUSED_DEVICE (cpu | gpu) and GLM_FUSED_DEVICE_ID."""
-    kind = os.environ.get("GLM_FUSED_DEVICE", "cpu").lower()
-    if kind in ("gpu", "cuda"):
-        index = _env_int("GLM_FUSED_DEVICE_ID", 0)
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
+    if device_kind() == "gpu":
+        torch.cuda.set_device(device_index())
+        return torch.device("cuda", device_index())
     return torch.device("cpu")
-
-
-def dist_backend() -> str:
-    backend = os.environ.get("GLM_FUSED_DIST_BACKEND")
-    if backend:
-        return backend
-    return "nccl" if device().type == "cuda" else "gloo"
-
-
-def shares_gpu() -> bool:
-    """Several ranks on one GPU: the launcher says so by choosing gloo on a GPU run."""
-    return device().type == "cuda" and dist_backend() == "gloo"
 
 
 def init_distributed() -> tuple[int, int]:
@@ -110,41 +80,27 @@ def barrier() -> None:
         dist.barrier()
 
 
-class TPComm:
-    """This rank's handle on the TP group, shared by every layer of one model.
+class TPComm(TPCommBase):
+    """``TPCommBase`` over torch.distributed (the TP group is the world)."""
 
-    Besides the collectives it carries the fusion state the fused norm op needs: the counters
-    of the current forward, the FlashInfer kernel (made at start-up by the runner, or None),
-    the ``glm_fused.fusion.KernelEnv`` that decides per call, and the once-only fallback log.
-    """
-
-    def __init__(self, rank: int = 0, size: int = 1, group=None, stats: FusionStats | None = None):
-        self.rank, self.size, self.group = rank, size, group
+    def __init__(self, rank: int = 0, size: int = 1, group=None):
         if size > 1 and not dist.is_initialized():
             raise RuntimeError(f"TPComm(size={size}) needs torch.distributed initialised first")
-        self.stats = stats if stats is not None else FusionStats()
-        self.fallback_log = FallbackLog()
-        self.kernel = None      # FlashInferAllReduceFusion or None
-        self.kernel_env = None  # glm_fused.fusion.KernelEnv or None (then always the reference)
+        super().__init__(rank, size, group)
 
     @classmethod
-    def from_env(cls) -> "TPComm":
-        rank, world = init_distributed()
-        return cls(rank, world)
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the TP group, in place; counted as one plain all-reduce."""
-        self.stats.record_plain_allreduce()
-        return self.all_reduce_uncounted(x)
+    def from_env(cls, tp_rank: int, tp_size: int) -> "TPComm":
+        """Join the group if needed (``tp_size > 1``), then this rank's handle."""
+        if tp_size > 1:
+            init_distributed()
+        return cls(tp_rank, tp_size)
 
     def all_reduce_uncounted(self, x: torch.Tensor) -> torch.Tensor:
-        """The reference path of the fused op uses this (it counts its call as a fused one)."""
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenate every rank's ``x`` along ``dim`` in rank order (vocab-parallel logits)."""
         if self.size == 1:
             return x
         x = x.contiguous()
@@ -157,30 +113,24 @@ class TPComm:
             dist.broadcast(x, src=src, group=self.group)
         return x
 
-    def flashinfer_comm_backend(self) -> "FlashInferCommBackend":
-        return FlashInferCommBackend(self)
-
-
-class FlashInferCommBackend(CommBackendBase):
-    """FlashInfer's ``comm_backend`` protocol over this TP group (see ``fusion.CommBackendBase``)."""
-
-    def __init__(self, comm: TPComm):
-        super().__init__(comm.rank, comm.size)
-        self._comm = comm
-
-    def _allgather(self, data) -> list:
-        out = [None] * self._comm.size
-        dist.all_gather_object(out, data, group=self._comm.group)
+    def all_gather_object(self, obj) -> list:
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _bcast(self, data, root: int):
-        box = [data]
-        dist.broadcast_object_list(box, src=root, group=self._comm.group)
+    def broadcast_object(self, obj, src: int):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
-    def _barrier(self) -> None:
-        dist.barrier(group=self._comm.group)
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def all_agree(self, ok: bool) -> bool:
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=_collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(int(flag.item()))
 
 
-__all__ = ["TPComm", "FlashInferCommBackend", "init_distributed", "shutdown_distributed", "broadcast_int64", "barrier",
-           "device", "dist_backend", "shares_gpu", "rank_and_world"]
+__all__ = ["TPComm", "init_distributed", "shutdown_distributed", "broadcast_int64", "barrier", "device",
+           "dist_backend", "shares_gpu", "rank_and_world"]

@@ -2,7 +2,7 @@
 
 Framework-free on purpose (no torch, no paddle): both backends ask the same questions and
 the CPU tests can check every answer. The kernel itself lives in
-``glm_fused.flashinfer_adapter``; this module only decides, counts and logs.
+``glm_fused.fused_op.flashinfer``; this module only decides.
 
 Every TP rank must reach the same decision for the same call, or one rank waits inside the
 kernel for peers that took the reference path. The inputs here (token count, dtype, the
@@ -12,11 +12,7 @@ reads per-rank state.
 
 from __future__ import annotations
 
-import logging
-import threading
 from dataclasses import dataclass
-
-logger = logging.getLogger("glm_fused.fusion")
 
 MiB = 1 << 20
 
@@ -189,162 +185,5 @@ def choose_impl(env: KernelEnv, *, dtype, num_tokens: int) -> tuple[str, str | N
     return "flashinfer", None
 
 
-class FusionStats:
-    """Counters of one forward; the runners reset them at the start of each.
-
-    ``impl`` always holds both keys so a report shows explicit zeros.
-    """
-
-    IMPLS = ("flashinfer", "reference")
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.fused_calls = 0
-        self.plain_allreduce_calls = 0
-        self.impl: dict[str, int] = {k: 0 for k in self.IMPLS}
-        self.fallback_reasons: dict[str, int] = {}
-
-    def record(self, impl: str, reason: str | None = None) -> None:
-        """One fused call served by ``impl``; ``reason`` when it fell back to the reference."""
-        self.fused_calls += 1
-        self.impl[impl] = self.impl.get(impl, 0) + 1
-        if reason is not None:
-            self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
-
-    def record_plain_allreduce(self, n: int = 1) -> None:
-        self.plain_allreduce_calls += n
-
-    def add(self, other: "FusionStats") -> None:
-        """Count ``other``'s calls too (a replayed CUDA graph adds the calls it captured)."""
-        self.fused_calls += other.fused_calls
-        self.plain_allreduce_calls += other.plain_allreduce_calls
-        for k, v in other.impl.items():
-            self.impl[k] = self.impl.get(k, 0) + v
-        for k, v in other.fallback_reasons.items():
-            self.fallback_reasons[k] = self.fallback_reasons.get(k, 0) + v
-
-    def as_dict(self) -> dict:
-        return {
-            "fused_allreduce_norm_calls": self.fused_calls,
-            "plain_allreduce_calls": self.plain_allreduce_calls,
-            "fused_impl": dict(self.impl),
-            "fallback_reasons": dict(self.fallback_reasons),
-        }
-
-
-class FallbackLog:
-    """Logs each distinct fallback reason once per process (all instances share the memory).
-
-    Per call the reason would flood the log (every decode step, every layer); once is enough
-    to tell why the kernel is not running.
-    """
-
-    _seen: set[str] = set()
-    _lock = threading.Lock()
-
-    def __init__(self, log: logging.Logger | None = None, level: int = logging.INFO) -> None:
-        self._log = log or logger
-        self._level = level
-
-    def log_once(self, reason: str, level: int | None = None) -> bool:
-        """True when this call logged (the reason was new to this process)."""
-        with FallbackLog._lock:
-            if reason in FallbackLog._seen:
-                return False
-            FallbackLog._seen.add(reason)
-        self._log.log(self._level if level is None else level,
-                      "fused all-reduce + RMSNorm falls back to the reference: %s", reason)
-        return True
-
-    log = log_once
-
-    @classmethod
-    def reset(cls) -> None:
-        """Forget what was logged (a fresh process's state; for tests run in one process)."""
-        with cls._lock:
-            cls._seen.clear()
-
-    @classmethod
-    def seen(cls) -> frozenset[str]:
-        with cls._lock:
-            return frozenset(cls._seen)
-
-    @classmethod
-    def forget(cls) -> None:
-        """Tests only: start over as if the process were new."""
-        with cls._lock:
-            cls._seen.clear()
-
-
-__all__ = [
-    "KernelEnv", "KERNEL_TP_SIZES", "KERNEL_DTYPES", "DTYPE_BYTES", "normalize_dtype",
-    "size_cap_tokens", "workspace_tokens", "workspace_bytes", "use_oneshot", "choose_impl",
-    "FusionStats", "FallbackLog",
-]
-
-
-class CommBackendBase:
-    """FlashInfer's ``comm_backend`` protocol (MPI-style names) over one TP group.
-
-    FlashInfer swaps IPC handles and pids through it (small Python objects) at start-up only,
-    which is how a Paddle process group can drive a workspace FlashInfer builds with torch
-    tensors. The exchange must run on the TP group, never on a wider one (a known hang with
-    DP/PP); here the TP group is the world, so ``Split`` into one colour returns this group.
-    Backends supply the three object collectives ``_allgather``, ``_bcast`` and ``_barrier``.
-    """
-
-    def __init__(self, rank: int, size: int):
-        self._rank, self._size = rank, size
-
-    def Get_rank(self) -> int:  # noqa: N802 - FlashInfer's names
-        return self._rank
-
-    def Get_size(self) -> int:  # noqa: N802
-        return self._size
-
-    def allgather(self, data) -> list:
-        return [data] if self._size == 1 else self._allgather(data)
-
-    def bcast(self, data, root: int):
-        return data if self._size == 1 else self._bcast(data, root)
-
-    def barrier(self) -> None:
-        if self._size > 1:
-            self._barrier()
-
-    def Split(self, color: int, key: int) -> "CommBackendBase":  # noqa: N802
-        everyone = self.allgather((color, key, self._rank))
-        if len({c for c, _, _ in everyone}) != 1:
-            # Sub-groups are not needed while TP == world; refuse rather than build a wrong one.
-            raise RuntimeError("comm backend Split: ranks asked for different colours")
-        if [r for _, _, r in sorted(everyone)] != list(range(self._size)):
-            raise RuntimeError("comm backend Split: a reordering split is not supported")
-        return self
-
-    def _allgather(self, data) -> list:
-        raise NotImplementedError
-
-    def _bcast(self, data, root: int):
-        raise NotImplementedError
-
-    def _barrier(self) -> None:
-        raise NotImplementedError
-
-
-def pick_for_call(comm, *, dtype: str, num_tokens: int) -> str:
-    """The implementation of one fused call, counted and (once per reason) logged.
-
-    ``comm`` is a backend's TP communicator: ``kernel_env`` (None before start-up set it),
-    ``kernel`` (the workspace-holding FlashInfer object or None), ``stats``, ``fallback_log``.
-    """
-    impl, reason = "reference", None
-    if comm.kernel_env is not None:
-        impl, reason = choose_impl(comm.kernel_env, dtype=dtype, num_tokens=num_tokens)
-        if impl == "flashinfer" and comm.kernel is None:  # a policy that says yes without a workspace
-            impl, reason = "reference", "no FlashInfer workspace on this rank"
-    if reason:
-        comm.fallback_log.log_once(reason)
-    comm.stats.record(impl, reason)
-    return impl
+__all__ = ["KernelEnv", "KERNEL_TP_SIZES", "KERNEL_DTYPES", "DTYPE_BYTES", "VECTOR_ELEMENTS", "normalize_dtype",
+           "size_cap_tokens", "workspace_tokens", "workspace_bytes", "use_oneshot", "choose_impl"]

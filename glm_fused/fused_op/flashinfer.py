@@ -12,7 +12,7 @@ against the installed signatures, so a release that renames one is refused, not 
 
 Use: one instance per process, made at model start-up (never on the first forward: lazy
 creation breaks CUDA-graph capture), shared by every fused call of every layer. The caller
-decides per call with ``glm_fused.fusion.choose_impl`` and must make all TP ranks agree that
+decides per call with ``glm_fused.fused_op.policy.choose_impl`` and must make all TP ranks agree that
 the workspace exists (a vote after construction) before any rank calls the kernel.
 """
 
@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import torch
 
-from glm_fused import fusion
+from glm_fused.fused_op import policy
 
 # Keywords this file passes; probe() checks them against the installed FlashInfer.
 CALL_KEYWORDS = (
@@ -129,10 +129,10 @@ def device_sm(device=None) -> int | None:
 
 
 def kernel_env(*, tp_size: int, hidden_size: int, workspace_max_tokens: int,
-               flashinfer_error: str | None = None, device=None) -> fusion.KernelEnv:
+               flashinfer_error: str | None = None, device=None) -> policy.KernelEnv:
     """The ``KernelEnv`` of this process's real device (CPU when CUDA is absent)."""
     on_cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
-    return fusion.KernelEnv(device="cuda" if on_cuda else "cpu",
+    return policy.KernelEnv(device="cuda" if on_cuda else "cpu",
                             sm=device_sm(device) if on_cuda else None, tp_size=tp_size,
                             hidden_size=hidden_size, flashinfer_error=flashinfer_error,
                             workspace_max_tokens=workspace_max_tokens)
@@ -141,7 +141,7 @@ def kernel_env(*, tp_size: int, hidden_size: int, workspace_max_tokens: int,
 def _torch_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    value = getattr(torch, fusion.normalize_dtype(dtype), None)
+    value = getattr(torch, policy.normalize_dtype(dtype), None)
     if not isinstance(value, torch.dtype):
         raise FusionUnavailable(f"unknown dtype {dtype!r}")
     return value
@@ -197,7 +197,7 @@ def prepare_call(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                                       f"tensor on {device}")
         outs[name] = buf
     if use_oneshot is None:
-        use_oneshot = fusion.use_oneshot(tp_size, num_tokens, hidden, partial.element_size(), sm=sm)
+        use_oneshot = policy.use_oneshot(tp_size, num_tokens, hidden, partial.element_size(), sm=sm)
     elif not use_oneshot and num_tokens <= tp_size:
         raise FusionArgumentError(f"two-shot needs tokens > tp_size ({num_tokens} <= {tp_size})")
     return dict(
@@ -285,21 +285,21 @@ class FlashInferAllReduceFusion:
         _LIVE.add(self)
 
     def _argument_problem(self) -> str | None:
-        if self.tp_size not in fusion.KERNEL_TP_SIZES:
-            return f"tp_size {self.tp_size} not in {fusion.KERNEL_TP_SIZES}"
+        if self.tp_size not in policy.KERNEL_TP_SIZES:
+            return f"tp_size {self.tp_size} not in {policy.KERNEL_TP_SIZES}"
         if not 0 <= self.tp_rank < self.tp_size:
             return f"tp_rank {self.tp_rank} outside 0..{self.tp_size - 1}"
         if self.max_num_tokens <= 0:
             return "max_num_tokens must be > 0"
-        if self.hidden_size <= 0 or self.hidden_size % fusion.VECTOR_ELEMENTS:
-            return f"hidden_size {self.hidden_size} not a positive multiple of {fusion.VECTOR_ELEMENTS}"
+        if self.hidden_size <= 0 or self.hidden_size % policy.VECTOR_ELEMENTS:
+            return f"hidden_size {self.hidden_size} not a positive multiple of {policy.VECTOR_ELEMENTS}"
         if self.dtype not in _TORCH_KERNEL_DTYPES:
             return f"dtype {self.dtype} is not bf16/fp16"
         return None
 
     @property
     def workspace_bytes(self) -> int:
-        return fusion.workspace_bytes(self.tp_size, self.max_num_tokens, self.hidden_size)
+        return policy.workspace_bytes(self.tp_size, self.max_num_tokens, self.hidden_size)
 
     def __call__(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  *, norm_out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
@@ -307,7 +307,7 @@ class FlashInferAllReduceFusion:
         """``(rmsnorm(allreduce(partial) + residual) * weight, allreduce(partial) + residual)``.
 
         Collective: every TP rank calls with the same token count. ``partial`` is not modified.
-        ``use_oneshot`` forces the algorithm (checks only); None uses ``fusion.use_oneshot``.
+        ``use_oneshot`` forces the algorithm (checks only); None uses ``policy.use_oneshot``.
         """
         if self._closed:
             raise FusionUnavailable("workspace closed")

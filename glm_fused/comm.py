@@ -1,0 +1,86 @@
+"""This rank's place in the tensor-parallel group, and the part of its handle both frameworks share.
+
+The TP group IS the world group: one model replica spread over every rank the launcher
+started. Rank, size, device and collective backend come from the launcher's environment
+(docs/design.md, "Launcher environment"). On CPU the backend is gloo; ranks that share one
+GPU also use gloo (it carries device tensors through host memory); one GPU per rank uses NCCL.
+Each framework's ``dist.py`` joins the group and implements the collectives of ``TPCommBase``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from glm_fused.fused_op.stats import FallbackLog, FusionStats
+from glm_fused.launcher import current_rank, world_size
+
+
+def rank_and_world() -> tuple[int, int]:
+    return current_rank(), world_size()
+
+
+def device_kind() -> str:
+    """``cpu`` or ``gpu``: GLM_FUSED_DEVICE, set by the launcher (cpu when unset)."""
+    return "gpu" if os.environ.get("GLM_FUSED_DEVICE", "cpu").lower() in ("gpu", "cuda") else "cpu"
+
+
+def device_index() -> int:
+    value = os.environ.get("GLM_FUSED_DEVICE_ID")
+    return int(value) if value else 0
+
+
+def dist_backend() -> str:
+    return os.environ.get("GLM_FUSED_DIST_BACKEND") or ("nccl" if device_kind() == "gpu" else "gloo")
+
+
+def shares_gpu() -> bool:
+    """Several ranks on one GPU: the launcher says so by choosing gloo on a GPU run."""
+    return device_kind() == "gpu" and dist_backend() == "gloo"
+
+
+class TPCommBase:
+    """This rank's handle on the TP group, shared by every layer of one model.
+
+    Besides the collectives it carries the fused op's state: the counters of the current
+    forward, the FlashInfer kernel (made at start-up by ``fused_op.setup_fusion``, or None),
+    the ``KernelEnv`` that decides per call, and the once-only fallback log. A framework
+    implements the collectives below.
+    """
+
+    def __init__(self, rank: int = 0, size: int = 1, group=None):
+        self.rank, self.size, self.group = rank, size, group
+        self.stats = FusionStats()
+        self.fallback_log = FallbackLog()
+        self.kernel = None      # glm_fused.fused_op.flashinfer.FlashInferAllReduceFusion or None
+        self.kernel_env = None  # glm_fused.fused_op.KernelEnv or None (then always the reference)
+
+    def all_reduce(self, x):
+        """Sum over the TP group (in place where the framework allows; use the result); counted
+        as one plain all-reduce."""
+        self.stats.record_plain_allreduce()
+        return self.all_reduce_uncounted(x)
+
+    # ---- the framework's collectives ------------------------------------------------------
+    def all_reduce_uncounted(self, x):
+        """The reference path of the fused op uses this (it counts its call as a fused one)."""
+        raise NotImplementedError
+
+    def all_gather(self, x, dim: int = -1):
+        """Concatenate every rank's ``x`` along ``dim`` in rank order (vocab-parallel logits)."""
+        raise NotImplementedError
+
+    def broadcast(self, x, src: int = 0):
+        raise NotImplementedError
+
+    def all_gather_object(self, obj) -> list:
+        raise NotImplementedError
+
+    def broadcast_object(self, obj, src: int):
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def all_agree(self, ok: bool) -> bool:
+        """True on every rank when ``ok`` is true on every rank (a vote)."""
+        raise NotImplementedError

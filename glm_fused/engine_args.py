@@ -1,0 +1,211 @@
+"""``EngineArgs``: every model and engine setting, from the command line, validated once.
+
+The scripts build it from their flags (``add_cli_args`` / ``from_cli``) and call ``resolve()``
+in the parent process, before any rank starts: everything that can be wrong with the flags
+is found there and reported as one line naming the flag (``UserError``). The resolved object
+travels whole to every rank (``to_dict`` / ``from_dict``) and is handed as is to the model
+runner, the engine and the scheduler; none of them checks a flag again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+from dataclasses import dataclass, fields
+
+from glm_fused.errors import UserError
+from glm_fused.fused_op import FUSION_IMPLS, KERNEL_TP_SIZES
+
+DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+LOAD_FORMATS = ("safetensors", "dummy")
+BACKENDS = ("paddle", "torch")
+DEFAULT_MAX_NUM_SEQS = 32
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class EngineArgs:
+    # the model
+    model: str = "glm-4.5-air-tiny"
+    tp: int = 1
+    backend: str = "paddle"
+    device: str | None = None          # cpu | gpu; None: gpu when one is visible and the backend can use it
+    dtype: str = "auto"                # auto: bfloat16 on GPU, float32 on CPU
+    load_format: str = "safetensors"
+    seed: int = 0                      # dummy weights
+    # the engine
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_model_len: int | None = None   # None: min(4096, the model's max_position_embeddings)
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    enforce_eager: bool = False
+    # the fused all-reduce + residual + RMSNorm
+    fused: bool = True                 # False: the classic all-reduce layout (--unfused)
+    fusion_impl: str = "auto"          # auto | flashinfer | reference (glm_fused.fused_op)
+    # filled by resolve()
+    model_dir: str | None = None       # checkpoint directory; None for dummy weights from a bare config
+    config_path: str | None = None
+    model_name: str | None = None      # what to call the model in output
+    resolved: bool = False
+
+    # ---- the command line ----------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = EngineArgs()
+        g = parser.add_argument_group("model")
+        g.add_argument("--model", default=d.model,
+                       help="checkpoint directory, Hugging Face name found in the local cache "
+                            "(zai-org/GLM-4.5-Air), or glm-4.5-air-tiny (default: made on first use)")
+        g.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (default 1)")
+        g.add_argument("--backend", choices=BACKENDS, default=d.backend, help=f"tensor framework (default {d.backend})")
+        g.add_argument("--device", choices=["cpu", "gpu"], default=None,
+                       help="default: gpu when one is visible and the backend can use it, else cpu")
+        g.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPE_NAMES),
+                       help="compute dtype (default auto: bfloat16 on GPU, float32 on CPU)")
+        g.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format,
+                       help="dummy: random weights at the model's real config, no checkpoint needed")
+        g.add_argument("--seed", type=int, default=d.seed, help="seed of dummy weights (default 0)")
+
+        g = parser.add_argument_group("engine")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                       help=f"sequences running at once = KV-cache slots (default {d.max_num_seqs})")
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help=f"context limit per sequence, prompt + output = positions of one KV-cache slot "
+                            f"(default min({DEFAULT_MAX_MODEL_LEN}, the model's max_position_embeddings))")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="tokens per forward step (prefill chunk bound; also sizes the fused all-reduce "
+                            f"workspace) (default {d.max_num_batched_tokens})")
+        g.add_argument("--enforce-eager", action="store_true",
+                       help="no CUDA graphs: run decode steps op by op (torch backend on GPU; "
+                            "elsewhere there are none anyway)")
+
+        g = parser.add_argument_group("fused all-reduce + residual + RMSNorm")
+        g.add_argument("--unfused", dest="fused", action="store_false",
+                       help="classic layout: o_proj, MLP/MoE and embedding all-reduce themselves")
+        impl = g.add_mutually_exclusive_group()
+        impl.add_argument("--enable-flashinfer-allreduce-fusion", dest="fusion_impl", action="store_const",
+                          const="flashinfer", default="auto",
+                          help="use FlashInfer's TRT-LLM kernel for the fused op (needs --device gpu, "
+                               f"--tp in {'/'.join(map(str, KERNEL_TP_SIZES))}, bfloat16); default: on where it "
+                               "can run")
+        impl.add_argument("--disable-flashinfer-allreduce-fusion", dest="fusion_impl", action="store_const",
+                          const="reference", help="always use the reference fused op (all-reduce, add, RMSNorm)")
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls.from_dict(vars(args))
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "EngineArgs":
+        """The settings among ``values`` (other keys, a script's own flags, are ignored)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    # ---- validation, once ------------------------------------------------------------------
+    def resolve(self) -> "EngineArgs":
+        """Validate every setting, find the model, settle the defaults; raises ``UserError``."""
+        from glm_fused.config import Glm4MoeConfig
+        from glm_fused.model_path import resolve_model
+
+        if self.resolved:
+            return self
+        if self.backend not in BACKENDS:
+            raise UserError(f"--backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if self.tp < 1:
+            raise UserError(f"--tp {self.tp}: must be at least 1")
+        if self.load_format not in LOAD_FORMATS:
+            raise UserError(f"--load-format {self.load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
+        if self.fusion_impl not in FUSION_IMPLS:  # only a caller of the API can get here
+            raise UserError(f"fusion_impl {self.fusion_impl!r}: choose one of {', '.join(FUSION_IMPLS)}")
+        found = resolve_model(self.model, load_format=self.load_format)
+        config = Glm4MoeConfig.from_json_file(found.config_path)
+        config.check_tp(self.tp)
+        if self.load_format == "safetensors" and found.path is None:
+            raise UserError(f"--model {self.model}: no checkpoint found (use --load-format dummy for random weights)")
+        self.model_dir = None if found.path is None else str(found.path)
+        self.config_path, self.model_name = str(found.config_path), found.name
+        if found.path is not None and self.load_format == "safetensors":
+            # Headers and names only (milliseconds): a broken checkpoint fails here, before any rank starts.
+            from glm_fused.checkpoint import Checkpoint, validate
+            from glm_fused.sharding import TPShard
+
+            validate(Checkpoint(found.path), config, TPShard(config, 0, self.tp))
+
+        self.device = self._resolve_device()
+        if self.dtype not in DTYPE_NAMES:
+            raise UserError(f"--dtype {self.dtype!r}: choose one of {', '.join(sorted(DTYPE_NAMES))}")
+        dtype = DTYPE_NAMES[self.dtype]
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device == "gpu" else "float32"
+        if dtype == "bfloat16" and self.device == "cpu" and self.backend == "paddle":
+            raise UserError("--dtype bfloat16: Paddle has no bfloat16 kernels on CPU "
+                            "(use --dtype float32, or --backend torch)")
+        self.dtype = dtype
+
+        if self.max_num_seqs < 1:
+            raise UserError(f"--max-num-seqs {self.max_num_seqs}: must be at least 1")
+        limit = config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit)
+        if not 2 <= self.max_model_len <= limit:
+            raise UserError(f"--max-model-len {self.max_model_len}: must be in 2..{limit} "
+                            f"(the model's max_position_embeddings)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise UserError(f"--max-num-batched-tokens {self.max_num_batched_tokens}: must be at least "
+                            f"--max-num-seqs {self.max_num_seqs} (every running sequence decodes each step)")
+
+        if self.fusion_impl == "flashinfer":
+            flag = "--enable-flashinfer-allreduce-fusion"
+            if not self.fused:
+                raise UserError(f"{flag} fuses the all-reduce into the norm: it cannot go with --unfused")
+            if self.device != "gpu":
+                raise UserError(f"{flag}: FlashInfer's kernel needs --device gpu (this run is on CPU)")
+            if self.tp not in KERNEL_TP_SIZES:
+                raise UserError(f"{flag}: the kernel needs --tp in {', '.join(map(str, KERNEL_TP_SIZES))}, "
+                                f"not {self.tp}")
+            if dtype != "bfloat16":
+                raise UserError(f"{flag}: the kernel runs in bfloat16 (got --dtype {dtype})")
+        self.resolved = True
+        return self
+
+    def _resolve_device(self) -> str:
+        if self.device is not None:
+            if self.device not in ("cpu", "gpu"):
+                raise UserError(f"--device {self.device!r}: choose cpu or gpu")
+            if self.device == "gpu" and not gpu_visible():
+                raise UserError("--device gpu: no GPU is visible on this machine")
+            if self.device == "gpu" and not backend_has_cuda(self.backend):
+                raise UserError(f"--device gpu: this {self.backend} build has no CUDA support "
+                                f"(install a GPU build, or pass --device cpu)")
+            return self.device
+        return "gpu" if gpu_visible() and backend_has_cuda(self.backend) else "cpu"
+
+    def config(self):
+        """The model's config (after ``resolve``)."""
+        from glm_fused.config import Glm4MoeConfig
+
+        return Glm4MoeConfig.from_json_file(self.config_path)
+
+
+def gpu_visible() -> bool:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def backend_has_cuda(backend: str) -> bool:
+    try:
+        if backend == "torch":
+            import torch
+            return torch.cuda.is_available()
+        import paddle
+        return paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+    except ImportError:
+        return False
+

@@ -1,0 +1,80 @@
+"""GLM-4.5 feed-forward blocks: dense SwiGLU MLP, and the MoE (router, routed + shared experts).
+
+Experts are tensor-parallel: every rank holds every expert (``TPShard.experts()``) with its
+slice of the intermediate dimension, so a rank's output is a partial sum. Routed and shared
+outputs are added BEFORE the one all-reduce (or before the next fused norm does it).
+"""
+
+from __future__ import annotations
+
+from glm_fused.config import Glm4MoeConfig
+from glm_fused.model.module import Module
+from glm_fused.model.ops import Routing
+from glm_fused.sharding import TPShard
+
+
+class MLP(Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up merged into one column-parallel matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size_local: int, comm, reduce_results: bool,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.gate_up_proj = self.nn.MergedColumnParallelLinear(hidden_size, [intermediate_size_local] * 2,
+                                                               dtype=dtype)
+        self.down_proj = self.nn.RowParallelLinear(intermediate_size_local, hidden_size, comm, reduce_results,
+                                                   dtype=dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(self.F.silu_and_mul(gate, up))
+
+
+class TopKRouter(Module):
+    """The router's weights (fp32 whatever the model dtype) and its fp32 logits.
+
+    The selection itself (sigmoid, group-limited top-k on the bias-corrected scores, weights
+    from the un-biased scores) is ``Ops.route``.
+    """
+
+    def __init__(self, config: Glm4MoeConfig):
+        super().__init__()
+        E = config.n_routed_experts
+        self.routing = Routing(E, config.num_experts_per_tok, config.n_group, config.topk_group,
+                               config.norm_topk_prob, config.routed_scaling_factor)
+        self.weight = self.param([E, config.hidden_size], "float32")
+        self.e_score_correction_bias = self.param([E], "float32", fill=0.0)
+
+    def forward(self, x):
+        """``x [T, H]`` -> router logits ``[T, E]`` in fp32."""
+        return self.F.linear(self.F.float32(x), self.weight)
+
+
+class Experts(Module):
+    """Stacked weights of this rank's experts (``expert_range``), intermediate dim split over TP."""
+
+    def __init__(self, expert_range: tuple[int, int], hidden_size: int, intermediate_size_local: int,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.expert_range = expert_range
+        n = expert_range[1] - expert_range[0]
+        self.gate_up_proj = self.param([n, 2 * intermediate_size_local, hidden_size], dtype)
+        self.down_proj = self.param([n, hidden_size, intermediate_size_local], dtype)
+
+
+class MoE(Module):
+    """Routed experts + shared experts on the same normed input, summed, then one all-reduce."""
+
+    def __init__(self, config: Glm4MoeConfig, shard: TPShard, comm, reduce_results: bool, dtype: str = "float32"):
+        super().__init__()
+        self.comm, self.reduce_results = comm, reduce_results
+        self.gate = self.nn.TopKRouter(config)
+        self.experts = self.nn.Experts(shard.experts(), config.hidden_size, shard.moe_intermediate_size, dtype)
+        self.shared_experts = self.nn.MLP(config.hidden_size, shard.shared_intermediate_size, comm,
+                                          reduce_results=False, dtype=dtype)
+
+    def forward(self, x):
+        experts, shared = self.experts, self.shared_experts
+        out = self.F.moe(x, self.gate(x), self.gate.e_score_correction_bias, self.gate.routing,
+                         experts.gate_up_proj, experts.down_proj, experts.expert_range,
+                         shared.gate_up_proj.weight, shared.down_proj.weight)
+        return self.comm.all_reduce(out) if self.reduce_results else out

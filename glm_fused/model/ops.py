@@ -1,0 +1,214 @@
+"""``Ops``: what the model computes with (``self.F`` in a layer), written once.
+
+A framework subclass (``glm_fused.torch_backend.ops.TorchOps``, ``glm_fused.paddle_backend.ops
+.PaddleOps``) supplies the *primitives* - its tensor library under one set of names, with
+torch's argument conventions (``dim``, ``[out, in]`` weights, ``[batch, heads, len, dim]``
+attention). The *composites* below (RMSNorm, RoPE and the KV-cache write, attention, SwiGLU,
+the router, the MoE) are the model's maths, written here once from those primitives; a
+framework may replace a composite with a kernel that computes the same function (the torch
+backend's Triton kernels on CUDA), and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How the MoE router picks and weights experts (GLM-4.5: sigmoid, grouped top-k)."""
+
+    num_experts: int
+    top_k: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    scale: float  # routed_scaling_factor
+
+
+class Ops:
+    # ---- set by a framework --------------------------------------------------------------
+    name: str = ""            # "torch" | "paddle"
+    Module: type = object     # torch.nn.Module | paddle.nn.Layer
+    ModuleList: type = list
+    layers_module: str = ""   # where the framework's layer twins say they live
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+
+    # ---- primitives (a framework implements these) ---------------------------------------
+    # dtypes, devices, creation
+    def dtype(self, name: str): raise NotImplementedError
+    def dtype_name(self, x) -> str: raise NotImplementedError
+    def cast(self, x, dtype: str): raise NotImplementedError
+    def param(self, module, shape: list[int], dtype: str, fill: float | None): raise NotImplementedError
+    def buffer(self, module, name: str, array) -> None: raise NotImplementedError
+    def tensor(self, array, like=None): raise NotImplementedError     # on like's device (None: host)
+    def to_numpy(self, x): raise NotImplementedError
+    def zeros(self, shape: list[int], dtype: str, like=None): raise NotImplementedError
+    def zeros_like(self, x): raise NotImplementedError
+    def no_grad(self): raise NotImplementedError
+    def device_scope(self, device=None): raise NotImplementedError  # where new parameters land
+    def device_of(self, x): raise NotImplementedError
+    def check_dtype(self, dtype, flag: str = "--dtype") -> str: raise NotImplementedError
+    def copy_into(self, param, array) -> None: raise NotImplementedError  # a host array into a parameter
+    def fill(self, param, value: float) -> None: raise NotImplementedError
+    def fill_normal(self, param, std: float, key: str) -> None: raise NotImplementedError  # seeded by key
+    # maths and shapes (torch's semantics)
+    def linear(self, x, weight, bias=None): raise NotImplementedError
+    def embedding(self, ids, weight): raise NotImplementedError
+    def silu(self, x): raise NotImplementedError
+    def sigmoid(self, x): raise NotImplementedError
+    def rsqrt(self, x): raise NotImplementedError
+    def mean(self, x, dim: int, keepdim: bool = False): raise NotImplementedError
+    def sum(self, x, dim: int, keepdim: bool = False): raise NotImplementedError
+    def cat(self, xs: list, dim: int): raise NotImplementedError
+    def split(self, x, sizes: list[int], dim: int) -> list: raise NotImplementedError
+    def transpose(self, x, dim0: int, dim1: int): raise NotImplementedError
+    def topk(self, x, k: int, dim: int = -1) -> tuple: raise NotImplementedError
+    def where(self, cond, x, y): raise NotImplementedError
+    def index_rows(self, x, index): raise NotImplementedError           # x[index] along dim 0
+    def take_along(self, x, index, dim: int): raise NotImplementedError  # torch.gather
+    def put_along(self, x, index, value: float, dim: int): raise NotImplementedError  # scatter a value
+    def repeat_interleave(self, x, repeats: int, dim: int): raise NotImplementedError
+    def argsort(self, x): raise NotImplementedError                    # stable, ascending, 1-D
+    def bincount(self, x) -> list[int]: raise NotImplementedError      # to the host
+    def index_add(self, out, index, source): raise NotImplementedError  # out[index[i]] += source[i]
+    def sdpa(self, q, k, v, mask, causal: bool, scale: float): raise NotImplementedError
+    # the fused all-reduce kernel, reached from this framework's tensors
+    def call_flashinfer(self, kernel, partial, residual, weight, eps: float): raise NotImplementedError
+
+    # ---- composites: the model's maths ---------------------------------------------------
+    def float32(self, x):
+        return self.cast(x, "float32")
+
+    def rms_norm(self, x, weight, eps: float):
+        """fp32 statistics; cast back to the input dtype BEFORE the weight multiply (as transformers)."""
+        xf = self.float32(x)
+        xf = xf * self.rsqrt(self.mean(xf * xf, -1, keepdim=True) + eps)
+        return weight * self.cast(xf, self.dtype_name(x))
+
+    def add_rms_norm(self, x, residual, weight, eps: float):
+        """``(rms_norm(x + residual), x + residual)``; no residual means the stream starts at ``x``."""
+        if residual is not None:
+            x = x + residual
+        return self.rms_norm(x, weight, eps), x
+
+    def silu_and_mul(self, gate, up):
+        return self.silu(gate) * up
+
+    def rope(self, positions, q, k, cos_cache, sin_cache, rotary_dim: int):
+        """Partial NeoX RoPE: the first ``rotary_dim`` dims of each head, dim i paired with
+        i + rotary_dim/2 (``rotate_half``), in fp32; the rest pass through."""
+        cos = self.index_rows(cos_cache, positions).unsqueeze(1)  # [T, 1, rotary_dim/2]
+        sin = self.index_rows(sin_cache, positions).unsqueeze(1)
+        half = rotary_dim // 2
+
+        def rotate(x):
+            x1, x2 = self.float32(x[..., :half]), self.float32(x[..., half:rotary_dim])
+            # (x1, x2) * cos + rotate_half(x1, x2) * sin, with rotate_half(x1, x2) = (-x2, x1)
+            rotated = self.cast(self.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1), self.dtype_name(x))
+            return rotated if rotary_dim == x.shape[-1] else self.cat([rotated, x[..., rotary_dim:]], -1)
+
+        return rotate(q), rotate(k)
+
+    def rope_and_store(self, positions, q, k, v, cos_cache, sin_cache, rotary_dim: int, meta, kv_cache):
+        """Rotate q and k, write k and v into the cache at each token's (slot, position); the rotated q."""
+        q, k = self.rope(positions, q, k, cos_cache, sin_cache, rotary_dim)
+        k_cache, v_cache = kv_cache
+        k_cache[meta.token_slots, meta.positions] = k
+        v_cache[meta.token_slots, meta.positions] = v
+        return q
+
+    def attention(self, q, meta, kv_cache, scale: float):
+        """``softmax(q k^T * scale) v`` of every token over its sequence's cached keys (this
+        step's included): ``q [T, heads, D]`` -> ``[T, heads, D]``. See ``AttentionMetadata``."""
+        k_cache, v_cache = kv_cache
+        if meta.decode_mask is not None:
+            # One query per sequence: all sequences in one call over keys padded to the longest
+            # context; the mask hides the padding (the cache is zero-initialised, never NaN).
+            max_len = meta.decode_mask.shape[-1]
+            keys = self.transpose(k_cache[meta.decode_slots, :max_len], 1, 2)  # [S, kv_heads, max_len, D]
+            values = self.transpose(v_cache[meta.decode_slots, :max_len], 1, 2)
+            return self.sdpa(q.unsqueeze(2), keys, values, meta.decode_mask, False, scale)[:, :, 0, :]
+        outs = []
+        for (slot, context, n, start), mask in zip(meta.seqs, meta.masks):
+            end = context + n
+            o = self.sdpa(self.transpose(q[start:start + n], 0, 1).unsqueeze(0),
+                          self.transpose(k_cache[slot, :end], 0, 1).unsqueeze(0),
+                          self.transpose(v_cache[slot, :end], 0, 1).unsqueeze(0),
+                          mask, mask is None and n > 1, scale)
+            outs.append(self.transpose(o[0], 0, 1))
+        return outs[0] if len(outs) == 1 else self.cat(outs, 0)
+
+    def route(self, logits, bias, routing: Routing):
+        """Router logits ``[T, E]`` (fp32) -> ``(weights [T, top_k] fp32, expert ids [T, top_k])``.
+
+        Sigmoid scores; the correction bias steers only WHICH experts are chosen (group-limited
+        top-k); the weights are the un-biased scores, renormalised and scaled.
+        """
+        scores = self.sigmoid(logits)
+        choice = scores + bias
+        if routing.n_group > 1:
+            T, E = choice.shape
+            # A group's score is the sum of its best two experts; keep the best topk_group groups.
+            group_scores = self.sum(self.topk(choice.reshape([T, routing.n_group, -1]), 2)[0], -1)
+            kept = self.topk(group_scores, routing.topk_group)[1]
+            group_mask = self.put_along(self.zeros_like(group_scores), kept, 1.0, dim=1)
+            expert_mask = self.repeat_interleave(group_mask, E // routing.n_group, dim=1) > 0
+            choice = self.where(expert_mask, choice, float("-inf"))
+        ids = self.topk(choice, routing.top_k)[1]
+        weights = self.take_along(scores, ids, dim=1)
+        if routing.norm_topk_prob:
+            weights = weights / (self.sum(weights, -1, keepdim=True) + 1e-20)
+        return weights * routing.scale, ids
+
+    def swiglu(self, x, gate_up, down):
+        """``down(silu(gate(x)) * up(x))`` with ``gate_up = [gate rows; up rows]``."""
+        gate, up = self.split(self.linear(x, gate_up), [gate_up.shape[0] // 2] * 2, -1)
+        return self.linear(self.silu_and_mul(gate, up), down)
+
+    def moe(self, x, router_logits, bias, routing: Routing, gate_up, down, expert_range: tuple[int, int],
+            shared_gate_up, shared_down):
+        """Routed experts (stacked ``gate_up [E_local, 2I, H]``, ``down [E_local, H, I]`` holding
+        experts ``expert_range``) plus the shared expert, summed: this rank's partial output."""
+        weights, ids = self.route(router_logits, bias, routing)
+        return (self.routed_experts(x, gate_up, down, weights, ids, expert_range)
+                + self.swiglu(x, shared_gate_up, shared_down))
+
+    def routed_experts(self, x, gate_up, down, weights, ids, expert_range: tuple[int, int]):
+        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` over the experts this rank holds:
+        only the experts that received tokens run, one matmul pair each."""
+        first, last = expert_range
+        top_k = ids.shape[1]
+        flat = ids.reshape([-1])
+        order = self.argsort(flat)  # (token, k) pairs grouped by expert
+        counts = self.bincount(flat)  # the one host sync per layer
+        tokens, token_weights = order // top_k, self.index_rows(weights.reshape([-1]), order)
+        out = self.zeros(list(x.shape), "float32", like=x)
+        begin = 0
+        for expert, count in enumerate(counts):
+            end = begin + count
+            if count and first <= expert < last:
+                rows = tokens[begin:end]
+                y = self.swiglu(self.index_rows(x, rows), gate_up[expert - first], down[expert - first])
+                out = self.index_add(out, rows, self.float32(y) * token_weights[begin:end].unsqueeze(-1))
+            begin = end
+        return self.cast(out, self.dtype_name(x))
+
+    # ---- what a framework offers beyond the maths (defaults: nothing) --------------------
+    def can_capture(self, model) -> bool:
+        """Whether ``capture_decode_graphs`` can make replayable decode steps for this model."""
+        return False
+
+    def capture_decode_graphs(self, model, kv_caches: list, max_num_seqs: int, pad_slot: int):
+        """Replayable decode steps (CUDA graphs; ``glm_fused.torch_backend.cuda_graph``)."""
+        raise NotImplementedError
+
+    def synchronize(self, device) -> None:
+        """Wait for the device's queued work (after a failed capture)."""
+
+    def empty_cache(self, device) -> None:
+        """Hand cached device memory back (a runner closing)."""
+
+    def gpu_sm(self, device) -> int | None:
+        """Compute capability of ``device`` as an int (90 for H100/H200); None for a CPU."""
+        raise NotImplementedError

@@ -1,1 +1,0 @@
-"""Paddle layers of the GLM-4.5 model: one small file per layer type."""

@@ -1,0 +1,130 @@
+"""ModelRunner: one rank's model, weights, KV cache and fused-op kernel; ForwardBatch in, logits out.
+
+Written once for both frameworks: ``args.backend`` names the framework, whose layer classes
+(its ``LAYERS``, ``glm_fused.model.bind``) build the model and whose ops (``F``) do the tensor work.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from glm_fused.backends import get_backend
+from glm_fused.batch import ForwardBatch
+from glm_fused.comm import device_index, shares_gpu
+from glm_fused.config import Glm4MoeConfig
+from glm_fused.engine_args import EngineArgs
+from glm_fused.fused_op import setup_fusion
+from glm_fused.model.loader import dummy_weights, load_weights
+
+log = logging.getLogger("glm_fused.runner")
+
+
+class ModelRunner:
+    """Runs on every rank after ``init_distributed``; every rank gets the same full-vocab logits."""
+
+    def __init__(self, args: EngineArgs, config: Glm4MoeConfig, *, tp_rank: int, tp_size: int):
+        if not args.resolved:
+            raise ValueError("ModelRunner takes resolved settings: call EngineArgs.resolve() first")
+        layers = get_backend(args.backend).LAYERS
+        F = self.F = layers.F
+        self.args, self.config = args, config
+        self.device = F.dist.device()
+        with F.device_scope(self.device):
+            self.comm = F.dist.TPComm(tp_rank, tp_size)
+            self.model = layers.Glm4MoeForCausalLM(config, tp_rank=tp_rank, tp_size=tp_size, fused=args.fused,
+                                                   comm=self.comm, dtype=args.dtype, max_position=args.max_model_len)
+        if args.load_format == "dummy":
+            dummy_weights(self.model, args.seed)
+        else:
+            load_weights(self.model, args.model_dir, progress=tp_rank == 0)
+        self.model.eval()
+        # Decode steps replay CUDA graphs where the framework has them (not with --enforce-eager);
+        # the graphs' padding rows get a scratch KV slot past the engine's.
+        use_graphs = not args.enforce_eager and F.can_capture(self.model)
+        self.kv_caches = self.model.make_kv_caches(args.max_num_seqs + int(use_graphs), args.max_model_len)
+        setup_fusion(self.comm, fused=args.fused, fusion_impl=args.fusion_impl, sm=F.gpu_sm(self.device),
+                     hidden_size=config.hidden_size, dtype=args.dtype,
+                     max_num_batched_tokens=args.max_num_batched_tokens, kernel_args=self._kernel_args,
+                     shares_gpu=shares_gpu())
+        # After setup_fusion: the fused all-reduce workspace must exist before capture.
+        self.graphs = self._capture() if use_graphs else None
+
+    def _kernel_args(self):
+        """The fused kernel's workspace dtype and device, as torch names them (the adapter is torch)."""
+        import torch
+
+        return getattr(torch, self.args.dtype), torch.device("cuda", device_index())
+
+    def _capture(self):
+        """The decode graphs, or None (eager decode) when any rank could not capture: a kernel
+        that cannot be captured is a slower server, not a dead one."""
+        graphs, error = None, None
+        try:
+            graphs = self.F.capture_decode_graphs(self.model, self.kv_caches, self.args.max_num_seqs,
+                                                  pad_slot=self.args.max_num_seqs)
+        except Exception as exc:  # noqa: BLE001 - any capture failure means eager decode
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            self.F.synchronize(self.device)
+        ok = error is None
+        if self.comm.size > 1:
+            ok = self.comm.all_agree(ok)
+        if not ok:
+            log.warning("CUDA graphs off, decode runs eagerly: %s",
+                        error or "another rank could not capture its decode graphs")
+            return None
+        return graphs
+
+    # ---- one step ------------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        """Logits ``[len(batch.logits_indices), vocab]`` float32 for this batch, on every rank."""
+        self._check(batch)
+        F = self.F
+        self.comm.stats.reset()
+        with F.no_grad():
+            if self.graphs is not None and self.graphs.can_run(batch):
+                hidden = self.graphs.run(batch)
+                if not np.array_equal(batch.logits_indices, np.arange(batch.num_seqs)):
+                    hidden = F.index_rows(hidden, F.tensor(batch.logits_indices, like=hidden))
+            else:
+                like = self.model.embed_tokens.weight
+                hidden = self.model(F.tensor(batch.input_ids, like), F.tensor(batch.positions, like), batch,
+                                    self.kv_caches)
+            logits = self.model.compute_logits(hidden)
+        return F.to_numpy(F.float32(logits))
+
+    def _check(self, batch: ForwardBatch) -> None:
+        # The engine sizes batches from the same settings; a violation is a bug, not a user error.
+        a = self.args
+        if batch.num_seqs > a.max_num_seqs or batch.num_tokens > a.max_num_batched_tokens:
+            raise ValueError(f"batch of {batch.num_seqs} sequences / {batch.num_tokens} tokens exceeds "
+                             f"max_num_seqs={a.max_num_seqs} / max_num_batched_tokens={a.max_num_batched_tokens}")
+        if batch.num_seqs and (batch.slots.min() < 0 or batch.slots.max() >= a.max_num_seqs):
+            raise ValueError(f"KV-cache slot outside 0..{a.max_num_seqs - 1}: {batch.slots.tolist()}")
+        ends = batch.context_lens + batch.query_lens
+        if batch.num_seqs and ends.max() > a.max_model_len:
+            raise ValueError(f"sequence of {int(ends.max())} tokens exceeds max_model_len={a.max_model_len}")
+
+    # ---- what it chose, for logs and reports --------------------------------------------
+    def fusion_stats(self) -> dict:
+        """Counters of the last forward (see ``glm_fused.fused_op.FusionStats.as_dict``)."""
+        return self.comm.stats.as_dict()
+
+    def fusion_impl(self) -> str:
+        """The fused op's implementation after start-up: flashinfer, reference, or off."""
+        if not self.args.fused:
+            return "off"
+        return "flashinfer" if self.comm.kernel is not None else "reference"
+
+    def decode_mode(self) -> str:
+        """How decode steps run: replayed CUDA graphs (with their batch sizes) or eager."""
+        return f"cuda-graphs {self.graphs.sizes}" if self.graphs is not None else "eager"
+
+    def close(self) -> None:
+        self.graphs = None  # before the workspace goes: the graphs point into it
+        if self.comm.kernel is not None:
+            self.comm.kernel.close()
+            self.comm.kernel = None
+        self.kv_caches = []
+        self.F.empty_cache(self.device)

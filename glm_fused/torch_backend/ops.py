@@ -1,0 +1,240 @@
+"""``TorchOps``: the model's ops in PyTorch, and the Triton kernels that replace the composites on CUDA.
+
+Each override below is the one place the torch backend chooses a kernel: a CUDA tensor with
+Triton present (``kernels.enabled``) runs the Triton version, anything else the composite
+written once in ``glm_fused.model.ops`` (plain PyTorch ops: the CPU path, and the reference
+the kernels are tested against).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+
+import numpy as np
+import torch
+import torch.nn.functional as TF
+from torch import nn
+
+from glm_fused.errors import UserError
+from glm_fused.model.module import bind
+from glm_fused.model.ops import Ops, Routing
+from glm_fused.torch_backend import dist, kernels
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TorchOps(Ops):
+    name = "torch"
+    Module = nn.Module
+    ModuleList = nn.ModuleList
+    layers_module = "glm_fused.torch_backend"
+    dist = dist
+
+    # ---- dtypes, devices, creation -------------------------------------------------------
+    def check_dtype(self, dtype, flag: str = "--dtype") -> str:
+        """The model dtype's name; both dtypes run on CPU and on CUDA."""
+        name = str(dtype).removeprefix("torch.")
+        if name not in self.dtypes:
+            raise UserError(f"{flag} {dtype!r}: choose one of {', '.join(self.dtypes)}")
+        return name
+
+    def dtype(self, name: str) -> torch.dtype:
+        return DTYPES[name]
+
+    def dtype_name(self, x: torch.Tensor) -> str:
+        return str(x.dtype).removeprefix("torch.")
+
+    def cast(self, x, dtype: str):
+        return x.to(DTYPES[dtype])
+
+    def param(self, module, shape, dtype, fill):
+        data = torch.empty(shape, dtype=DTYPES[dtype]) if fill is None else torch.full(shape, fill, dtype=DTYPES[dtype])
+        return nn.Parameter(data, requires_grad=False)
+
+    def buffer(self, module, name, array):
+        module.register_buffer(name, torch.as_tensor(array, device=torch.get_default_device()), persistent=False)
+
+    def tensor(self, array, like=None):
+        return torch.as_tensor(array, device=None if like is None else like.device)
+
+    def to_numpy(self, x) -> np.ndarray:
+        return x.detach().cpu().numpy()
+
+    def zeros(self, shape, dtype, like=None):
+        return torch.zeros(shape, dtype=DTYPES[dtype], device=None if like is None else like.device)
+
+    def zeros_like(self, x):
+        return torch.zeros_like(x)
+
+    def no_grad(self):
+        return torch.inference_mode()
+
+    @contextlib.contextmanager
+    def device_scope(self, device=None):
+        """Tensors made inside (parameters, buffers) land on ``device`` (default: this rank's)."""
+        with torch.device(torch.device(device) if device is not None else dist.device()):
+            yield
+
+    def device_of(self, x) -> torch.device:
+        return x.device
+
+    def gpu_sm(self, device) -> int | None:
+        if torch.device(device).type != "cuda":
+            return None
+        major, minor = torch.cuda.get_device_capability(device)
+        return major * 10 + minor
+
+    def copy_into(self, param, array: np.ndarray) -> None:
+        param.copy_(torch.from_numpy(array))
+
+    def fill(self, param, value: float) -> None:
+        param.fill_(value)
+
+    def fill_normal(self, param, std: float, key: str) -> None:
+        generator = torch.Generator(device=param.device)
+        generator.manual_seed(zlib.crc32(key.encode()))
+        param.normal_(0.0, std, generator=generator)
+
+    # ---- maths and shapes ----------------------------------------------------------------
+    def linear(self, x, weight, bias=None):
+        return TF.linear(x, weight, bias)
+
+    def embedding(self, ids, weight):
+        return TF.embedding(ids, weight)
+
+    def silu(self, x):
+        return TF.silu(x)
+
+    def sigmoid(self, x):
+        return torch.sigmoid(x)
+
+    def rsqrt(self, x):
+        return torch.rsqrt(x)
+
+    def mean(self, x, dim, keepdim=False):
+        return x.mean(dim, keepdim=keepdim)
+
+    def sum(self, x, dim, keepdim=False):
+        return x.sum(dim, keepdim=keepdim)
+
+    def cat(self, xs, dim):
+        return torch.cat(xs, dim=dim)
+
+    def split(self, x, sizes, dim):
+        return list(torch.split(x, sizes, dim=dim))
+
+    def transpose(self, x, dim0, dim1):
+        return x.transpose(dim0, dim1)
+
+    def topk(self, x, k, dim=-1):
+        out = x.topk(k, dim=dim)
+        return out.values, out.indices
+
+    def where(self, cond, x, y):
+        return torch.where(cond, x, y)
+
+    def index_rows(self, x, index):
+        return x[index]
+
+    def take_along(self, x, index, dim):
+        return x.gather(dim, index)
+
+    def put_along(self, x, index, value, dim):
+        return x.scatter(dim, index, value)
+
+    def repeat_interleave(self, x, repeats, dim):
+        return x.repeat_interleave(repeats, dim=dim)
+
+    def argsort(self, x):
+        return torch.argsort(x, stable=True)
+
+    def bincount(self, x):
+        return torch.bincount(x).tolist()
+
+    def index_add(self, out, index, source):
+        return out.index_add_(0, index, source)
+
+    def sdpa(self, q, k, v, mask, causal, scale):
+        return TF.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                               enable_gqa=q.shape[1] != k.shape[1])
+
+    def call_flashinfer(self, kernel, partial, residual, weight, eps):
+        return kernel(partial, residual, weight, eps)
+
+    # ---- Triton on CUDA ------------------------------------------------------------------
+    def add_rms_norm(self, x, residual, weight, eps):
+        if kernels.enabled(x):
+            from glm_fused.torch_backend.kernels.rmsnorm import add_rmsnorm
+
+            return add_rmsnorm(x, residual, weight, eps)
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, gate, up):
+        if kernels.enabled(gate):
+            from glm_fused.torch_backend.kernels.activation import silu_and_mul
+
+            return silu_and_mul(gate, up)
+        return super().silu_and_mul(gate, up)
+
+    def rope_and_store(self, positions, q, k, v, cos_cache, sin_cache, rotary_dim, meta, kv_cache):
+        if kernels.enabled(q):  # one launch rotates q and k and writes k, v to the cache
+            from glm_fused.torch_backend.kernels.rotary import rope_and_store
+
+            return rope_and_store(positions, meta.token_slots, q, k, v, cos_cache, sin_cache, *kv_cache)
+        return super().rope_and_store(positions, q, k, v, cos_cache, sin_cache, rotary_dim, meta, kv_cache)
+
+    def attention(self, q, meta, kv_cache, scale):
+        if meta.seq_lens is not None and kernels.enabled(q):  # decode: split-K over each sequence's keys
+            from glm_fused.torch_backend.kernels.decode_attention import decode_attention
+
+            return decode_attention(q, *kv_cache, meta.decode_slots, meta.seq_lens, scale)
+        return super().attention(q, meta, kv_cache, scale)
+
+    def moe(self, x, router_logits, bias, routing: Routing, gate_up, down, expert_range, shared_gate_up,
+            shared_down):
+        if not kernels.enabled(x):
+            return super().moe(x, router_logits, bias, routing, gate_up, down, expert_range, shared_gate_up,
+                               shared_down)
+        from glm_fused.torch_backend.kernels.fused_moe import fused_experts, router_topk
+
+        # One shared expert as wide as a routed one rides in the routed GEMMs as expert E.
+        fold = shared_gate_up.shape[0] == gate_up.shape[1]
+        if routing.n_group == 1:
+            weights, ids = router_topk(router_logits, bias, routing.top_k, routing.norm_topk_prob, routing.scale,
+                                       append_shared=fold)
+        else:
+            weights, ids = self.route(router_logits, bias, routing)
+            if fold:
+                T = ids.shape[0]
+                weights = torch.cat([weights, weights.new_ones(T, 1)], dim=1)
+                ids = torch.cat([ids, ids.new_full((T, 1), routing.num_experts)], dim=1)
+        partial = None if tuple(expert_range) == (0, routing.num_experts) else tuple(expert_range)
+        if fold:
+            return fused_experts(x, gate_up, down, weights, ids, shared_weights=(shared_gate_up, shared_down),
+                                 expert_range=partial)
+        return fused_experts(x, gate_up, down, weights, ids, self.swiglu(x, shared_gate_up, shared_down),
+                             expert_range=partial)
+
+    # ---- CUDA graphs and device housekeeping ---------------------------------------------
+    def can_capture(self, model) -> bool:
+        # Graphs need the Triton path: the plain ops sync with the host (the expert loop).
+        return model.device.type == "cuda" and kernels.enabled(model.embed_tokens.weight)
+
+    def capture_decode_graphs(self, model, kv_caches, max_num_seqs, pad_slot):
+        from glm_fused.torch_backend.cuda_graph import DecodeGraphs
+
+        with torch.inference_mode():
+            return DecodeGraphs(model, kv_caches, max_num_seqs, pad_slot=pad_slot)
+
+    def synchronize(self, device) -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def empty_cache(self, device) -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+
+
+OPS = TorchOps()
+LAYERS = bind(OPS)  # every layer class of glm_fused.model, as this framework's module class
