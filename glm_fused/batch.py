@@ -43,6 +43,11 @@ class ForwardBatch:
         return len(self.slots)
 
     @property
+    def logits_seq(self) -> np.ndarray:
+        """The sequence each logits row belongs to."""
+        return np.repeat(np.arange(self.num_seqs), self.query_lens)[self.logits_indices]
+
+    @property
     def seq_starts(self) -> np.ndarray:
         """Offset of each sequence's first token in the flattened batch."""
         return np.concatenate([[0], np.cumsum(self.query_lens)[:-1]]).astype(np.int64)

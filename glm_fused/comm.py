@@ -69,6 +69,10 @@ class TPCommBase:
         """Concatenate every rank's ``x`` along ``dim`` in rank order (vocab-parallel logits)."""
         raise NotImplementedError
 
+    def gather(self, x, dim: int = -1, dst: int = 0):
+        """``all_gather``'s result on rank ``dst`` only; None on the others."""
+        raise NotImplementedError
+
     def broadcast(self, x, src: int = 0):
         raise NotImplementedError
 

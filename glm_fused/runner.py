@@ -48,6 +48,13 @@ class ModelRunner:
                      hidden_size=config.hidden_size, dtype=args.dtype,
                      max_num_batched_tokens=args.max_num_batched_tokens, kernel_args=self._kernel_args,
                      shares_gpu=shares_gpu())
+        # The token each sequence (KV slot) sampled last, on the device: a later step's input
+        # id -1 reads it, so the engine can schedule a step before the last one's tokens reach
+        # the host (one row more for the graphs' padding slot).
+        like = self.model.embed_tokens.weight
+        self.next_tokens = F.zeros([args.max_num_seqs + 1], "int64", like=like)
+        self._staging = [F.pinned(args.max_num_seqs, "int64") for _ in range(3)]  # results in flight
+        self._step = 0
         # After setup_fusion: the fused all-reduce workspace must exist before capture.
         self.graphs = self._capture() if use_graphs else None
 
@@ -63,7 +70,7 @@ class ModelRunner:
         graphs, error = None, None
         try:
             graphs = self.F.capture_decode_graphs(self.model, self.kv_caches, self.args.max_num_seqs,
-                                                  pad_slot=self.args.max_num_seqs)
+                                                  pad_slot=self.args.max_num_seqs, next_tokens=self.next_tokens)
         except Exception as exc:  # noqa: BLE001 - any capture failure means eager decode
             error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             self.F.synchronize(self.device)
@@ -77,22 +84,58 @@ class ModelRunner:
         return graphs
 
     # ---- one step ------------------------------------------------------------------------
-    def forward(self, batch: ForwardBatch) -> np.ndarray:
-        """Logits ``[len(batch.logits_indices), vocab]`` float32 for this batch, on every rank."""
+    def execute(self, batch: ForwardBatch, sampling=None, *, sample: bool = True):
+        """The engine's step: the forward, then (``sample``) one token per logits row.
+
+        The logits reach rank 0 only; rank 0 draws the tokens on its device (``sampling``: the
+        rows' ``SamplingBatch``, given on rank 0) and sends them to the other ranks, and every
+        rank keeps them in ``next_tokens`` by KV slot, where a later step's placeholder ids
+        (-1) read them. Nothing waits for the device: the returned callable gives rank 0 the
+        tokens as numpy once they are on the host (None on the other ranks, or without ``sample``).
+        """
         self._check(batch)
         F = self.F
         self.comm.stats.reset()
         with F.no_grad():
-            if self.graphs is not None and self.graphs.can_run(batch):
-                hidden = self.graphs.run(batch)
-                if not np.array_equal(batch.logits_indices, np.arange(batch.num_seqs)):
-                    hidden = F.index_rows(hidden, F.tensor(batch.logits_indices, like=hidden))
+            hidden = self._hidden(batch)
+            if not sample:
+                return lambda: None
+            logits = self.model.compute_logits(hidden, dst=0)
+            if self.comm.rank == 0:
+                tokens = F.sample(logits, sampling)
             else:
-                like = self.model.embed_tokens.weight
-                hidden = self.model(F.tensor(batch.input_ids, like), F.tensor(batch.positions, like), batch,
-                                    self.kv_caches)
-            logits = self.model.compute_logits(hidden)
-        return F.to_numpy(F.float32(logits))
+                tokens = F.zeros([len(batch.logits_indices)], "int64", like=hidden)
+            if self.comm.size > 1:
+                tokens = self.comm.broadcast(tokens, src=0)
+            self.next_tokens[F.tensor(batch.slots[batch.logits_seq], like=hidden)] = tokens
+            if self.comm.rank != 0:
+                return lambda: None
+            self._step += 1
+            return F.to_host_async(tokens, self._staging[self._step % len(self._staging)])
+
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        """Logits ``[len(batch.logits_indices), vocab]`` float32 for this batch, on every rank
+        (the accuracy tool and the tests; the engine uses ``execute``)."""
+        self._check(batch)
+        self.comm.stats.reset()
+        with self.F.no_grad():
+            logits = self.model.compute_logits(self._hidden(batch))
+        return self.F.to_numpy(self.F.float32(logits))
+
+    def _hidden(self, batch: ForwardBatch):
+        """Normed hidden states of the logits rows: a replayed decode graph, or the eager forward."""
+        F = self.F
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(batch)
+            if not np.array_equal(batch.logits_indices, np.arange(batch.num_seqs)):
+                hidden = F.index_rows(hidden, F.tensor(batch.logits_indices, like=hidden))
+            return hidden
+        like = self.model.embed_tokens.weight
+        ids = F.tensor(batch.input_ids, like)
+        if (batch.input_ids < 0).any():  # placeholders: the tokens the last step sampled
+            token_slots = F.tensor(np.repeat(batch.slots, batch.query_lens), like)
+            ids = F.where(ids < 0, F.index_rows(self.next_tokens, token_slots), ids)
+        return self.model(ids, F.tensor(batch.positions, like), batch, self.kv_caches)
 
     def _check(self, batch: ForwardBatch) -> None:
         # The engine sizes batches from the same settings; a violation is a bug, not a user error.
@@ -128,3 +171,23 @@ class ModelRunner:
             self.comm.kernel = None
         self.kv_caches = []
         self.F.empty_cache(self.device)
+
+
+class LogitsRunner:
+    """``execute`` for a runner that only has ``forward(batch) -> logits`` (a host array): the
+    placeholders resolved from its own record of what it sampled, and the host sampler. For
+    stand-ins of the model (tests, tools) that speak the engine's protocol."""
+
+    def execute(self, batch: ForwardBatch, sampling=None, *, sample: bool = True):
+        last = self.__dict__.setdefault("_last_sampled", {})
+        if (batch.input_ids < 0).any():
+            slots = np.repeat(batch.slots, batch.query_lens)
+            ids = np.array([last[int(s)] if t < 0 else t for t, s in zip(batch.input_ids, slots)])
+            batch = ForwardBatch(ids, batch.positions, batch.slots, batch.query_lens, batch.context_lens,
+                                 batch.logits_indices)
+        logits = self.forward(batch)
+        if not sample:
+            return lambda: None
+        tokens = sampling.sample_on_host(logits)
+        last.update(zip(batch.slots[batch.logits_seq].tolist(), tokens.tolist()))
+        return lambda: tokens

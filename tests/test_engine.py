@@ -16,14 +16,16 @@ import pytest
 
 from glm_fused.batch import ForwardBatch
 from glm_fused.engine import InvalidParam, LLMEngine, SamplingParams, Scheduler, Sequence, run_worker, sample
+from glm_fused.engine.sampling import row_key
 from glm_fused.engine.llm_engine import CMD_NOOP
 from glm_fused.engine_args import EngineArgs
+from glm_fused.runner import LogitsRunner
 from glm_fused.tokenizer import IncrementalDecoder
 
 VOCAB = 64
 
 
-class FakeRunner:
+class FakeRunner(LogitsRunner):
     def __init__(self, max_num_seqs: int, max_model_len: int, vocab: int = VOCAB):
         self.cache = np.full((max_num_seqs, max_model_len), -1, dtype=np.int64)
         self.vocab = vocab
@@ -68,38 +70,74 @@ def greedy(n=12):
 
 
 # ---- sampler -------------------------------------------------------------------------------
+def keys(seed: int, n: int) -> list[int]:
+    """The keys of a sequence's first n draws."""
+    return [row_key(seed, i) for i in range(n)]
+
+
 def test_greedy_is_argmax_and_top_k_1():
     logits = np.random.default_rng(0).standard_normal(100).astype(np.float32)
-    rng = np.random.default_rng(1)
-    assert sample(logits, greedy(), rng) == int(np.argmax(logits))
-    assert all(sample(logits, SamplingParams(temperature=1.5, top_k=1), rng) == int(np.argmax(logits))
-               for _ in range(20))
+    assert sample(logits, greedy(), row_key(1, 0)) == int(np.argmax(logits))
+    assert all(sample(logits, SamplingParams(temperature=1.5, top_k=1), k) == int(np.argmax(logits))
+               for k in keys(1, 20))
 
 
 def test_seeded_sampling_reproducible_and_unseeded_varies():
     logits = np.zeros(1000, dtype=np.float32)
     params = SamplingParams(temperature=1.0, seed=1234)
-    a = [sample(logits, params, params.make_generator()) for _ in range(3)]
+    a = [sample(logits, params, row_key(params.sampling_seed(), 0)) for _ in range(3)]
     assert len(set(a)) == 1
-    gen = params.make_generator()
-    draws = [sample(logits, params, gen) for _ in range(50)]
-    assert len(set(draws)) > 10  # one generator moves on between draws
+    draws = [sample(logits, params, k) for k in keys(params.sampling_seed(), 50)]
+    assert len(set(draws)) > 10  # each output index has its own uniforms
     free = SamplingParams(temperature=1.0)
-    assert len({sample(logits, free, free.make_generator()) for _ in range(20)}) > 1
+    assert len({sample(logits, free, row_key(free.sampling_seed(), 0)) for _ in range(20)}) > 1
+
+
+def test_uniforms_are_uniform_and_keyed():
+    from glm_fused.engine.sampling import uniforms
+
+    u = uniforms(row_key(5, 0), 200_000)
+    assert 0 < u.min() and u.max() < 1
+    # mean 1/2 and variance 1/12 within 5 standard errors
+    assert abs(u.mean() - 0.5) < 5 * (1 / 12 / len(u)) ** 0.5
+    assert abs(u.var() - 1 / 12) < 5 * (1 / 180 / len(u)) ** 0.5
+    assert not np.array_equal(uniforms(row_key(5, 1), 10), uniforms(row_key(5, 0), 10))
+    assert not np.array_equal(uniforms(row_key(6, 0), 10), uniforms(row_key(5, 0), 10))
 
 
 def test_top_k_and_top_p_restrict_the_support():
     logits = np.array([5.0, 4.0, 3.0, 0.0, -1.0, -2.0], dtype=np.float32)
-    rng = np.random.default_rng(0)
+    ks = keys(0, 2000)
     hot = SamplingParams(temperature=50.0, top_k=3)  # nearly uniform over the top 3
-    seen = {sample(logits, hot, rng) for _ in range(300)}
+    seen = {sample(logits, hot, k) for k in ks[:300]}
     assert seen == {0, 1, 2}
     # softmax(logits) ~ [0.66, 0.24, 0.09, ...]: top_p 0.5 keeps only id 0, 0.8 keeps 0 and 1.
-    assert {sample(logits, SamplingParams(top_p=0.5), rng) for _ in range(200)} == {0}
-    assert {sample(logits, SamplingParams(top_p=0.8), rng) for _ in range(400)} == {0, 1}
+    assert {sample(logits, SamplingParams(top_p=0.5), k) for k in ks[:200]} == {0}
+    assert {sample(logits, SamplingParams(top_p=0.8), k) for k in ks[:400]} == {0, 1}
     # Frequencies follow the (renormalised) distribution: id 0 ~ 0.66/0.90 = 0.73 +- 0.05.
-    draws = [sample(logits, SamplingParams(top_p=0.8), rng) for _ in range(2000)]
+    draws = [sample(logits, SamplingParams(top_p=0.8), k) for k in ks]
     assert abs(draws.count(0) / 2000 - 0.66524 / (0.66524 + 0.24473)) < 0.05
+
+
+def test_device_sampler_draws_what_the_host_draws():
+    """TorchOps.sample (the device path; here on CPU tensors) against the host reference: the
+    same token for every row, greedy, temperature, top-k and top-p, seeded per row."""
+    torch = pytest.importorskip("torch")
+    from glm_fused.engine.sampling import SamplingBatch
+    from glm_fused.torch_backend import OPS
+
+    rng = np.random.default_rng(3)
+    logits = (2.0 * rng.standard_normal((40, 300))).astype(np.float32)
+    rows = []
+    for i in range(40):
+        params = [greedy(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+                  SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.8, top_k=50, top_p=0.7)][i % 5]
+        rows.append((params, row_key(1000 + i, i)))
+    batch = SamplingBatch.build(rows)
+    host = batch.sample_on_host(logits)
+    device = OPS.sample(torch.from_numpy(logits), batch).numpy()
+    assert (device == host).all(), np.flatnonzero(device != host)
+    assert len(set(host[1::5].tolist())) > 3  # the sampled rows really vary
 
 
 @pytest.mark.parametrize("kwargs,param", [
@@ -170,17 +208,31 @@ def test_chunked_prefill_respects_budget_and_joins_between_steps():
     assert step_and_commit() == (["a"], [8], [8], [False])       # budget spent on a's chunk
     assert step_and_commit() == (["a", "b"], [4, 3], [16, 0], [True, True])  # b joins
     b = sched.running[1]
+    assert (a.num_inflight, b.num_inflight) == (1, 1)  # each sampled a token on the device
     c = Sequence("c", [4, 5], greedy())
     sched.add(c)
-    a.output_token_ids.append(1)
-    b.output_token_ids.append(1)
-    assert step_and_commit() == (["a", "b"], [1, 1], [20, 3], [True, True])  # no free slot: c waits
-    assert sched.num_running == 2 and sched.num_waiting == 1
+    # The next step feeds those tokens before the host has seen them: placeholders (-1).
+    step = sched.schedule()
+    assert list(step.batch.input_ids) == [-1, -1] and list(step.batch.positions) == [20, 3]
+    sched.commit(step)
+    for seq in (a, b):  # the host collects the first tokens
+        seq.num_inflight -= 1
+        seq.output_token_ids.append(1)
+    assert ([s.request_id for s in step.seqs], list(step.num_new), step.sample) == (["a", "b"], [1, 1], [True, True])
+    assert sched.num_running == 2 and sched.num_waiting == 1  # no free slot: c waits
     b_slot = b.slot
     sched.finish(b, "stop")                  # b leaves; its slot serves c in the very next step
-    a.output_token_ids.append(1)
     assert step_and_commit() == (["a", "c"], [1, 2], [21, 0], [True, True])
     assert c.slot == b_slot and b.slot is None
+
+
+def test_a_sequence_with_all_its_tokens_in_flight_is_not_scheduled():
+    sched = Scheduler(settings(2, 64, 8))
+    a = Sequence("a", [1, 2, 3], greedy(1))  # one token to make: the prefill samples it
+    sched.add(a)
+    sched.commit(sched.schedule())
+    assert a.num_inflight == 1 and not a.wants_more
+    assert sched.schedule() is None  # nothing to feed until the host has seen it
 
 
 def test_decodes_go_first_and_budget_is_never_exceeded():
@@ -252,7 +304,7 @@ def test_eos_finishes_and_frees_the_slot():
 
 
 def test_abort_frees_slot_at_once():
-    engine, _ = make_engine(max_num_seqs=1, budget=32)
+    engine, runner = make_engine(max_num_seqs=1, budget=32)
     engine.add_request("a", [1, 2, 3], greedy(50))
     engine.add_request("b", [4, 5], greedy(3))
     engine.step()
@@ -260,10 +312,14 @@ def test_abort_frees_slot_at_once():
     out = engine.abort("a")
     assert out.finished and out.finish_reason == "abort"
     assert engine.num_running == 0 and list(engine.scheduler.free_slots) == [0]
-    outs = engine.step()
-    assert [o.request_id for o in outs] == ["b"]
+    # The very next step launches b in a's slot; a's token, still in flight, is dropped.
+    assert engine.step() == []
+    assert list(runner.batches[-1].input_ids) == [4, 5] and list(runner.batches[-1].slots) == [0]
+    assert [o.request_id for o in engine.step()] == ["b"]
     assert engine.abort("missing") is None
-    assert [o.request_id for o in engine.abort_all()] == ["b"] and not engine.has_unfinished()
+    assert [o.request_id for o in engine.abort_all()] == ["b"]
+    while engine.has_unfinished():  # collects b's last launched step, whose row is now a spare
+        assert engine.step() == []
 
 
 def test_broadcast_protocol_workers_see_every_forward():

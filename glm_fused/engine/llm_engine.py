@@ -1,11 +1,17 @@
-"""The generation engine. Rank 0 schedules, broadcasts each step, runs the model, samples;
-the other ranks run the model on what rank 0 sends (``run_worker``).
+"""The generation engine. Rank 0 schedules, broadcasts each step, runs the model and samples
+on its device; the other ranks run the model on what rank 0 sends (``run_worker``).
 
-Every step's ForwardBatch travels as one int64 array, ``[command, *batch.to_array()]``,
+Every step travels as one int64 array, ``[command, *sampling.to_array(), *batch.to_array()]``,
 through the backend's ``broadcast_int64`` on the global group. All ranks then take part in
-the same forward (its all-reduces and the logits all-gather); only rank 0 looks at the
-logits. While idle, rank 0 sends a no-op now and then so the waiting ranks never sit in one
-collective long enough to hit the process group's timeout.
+the same forward (its all-reduces, the gather of the logits to rank 0, the broadcast of the
+sampled tokens). While idle, rank 0 sends a no-op now and then so the waiting ranks never sit
+in one collective long enough to hit the process group's timeout.
+
+The step is overlapped (as SGLang's overlap scheduler and vLLM's async scheduling are): step
+N+1 is scheduled and launched before step N's tokens reach the host, its decode inputs being
+placeholders the runner fills on the device with step N's samples. Then step N's tokens are
+collected (detokenized, checked for stop conditions, streamed) while step N+1 runs. A sequence
+that turns out to have stopped at step N has one wasted row in step N+1, which is dropped.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from glm_fused.batch import ForwardBatch
-from glm_fused.engine.sampling import InvalidParam, SamplingParams, sample
+from glm_fused.engine.sampling import InvalidParam, SamplingBatch, SamplingParams, row_key
 from glm_fused.engine.scheduler import Scheduler
 from glm_fused.engine_args import EngineArgs
 from glm_fused.engine.sequence import Sequence
@@ -60,6 +66,7 @@ class LLMEngine:
         self.broadcast = broadcast
         self.heartbeat_s = heartbeat_s
         self.seqs: dict[str, Sequence] = {}
+        self._inflight = None  # (ScheduledStep, callable giving its tokens) launched, not yet collected
         self._last_broadcast = time.monotonic()
         self._stopped = False
         # Running totals (read by the server's /metrics).
@@ -95,7 +102,8 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.check_prompt(prompt_token_ids, params)
         detok = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
-        seq = Sequence(request_id, prompt_token_ids, params, detokenizer=detok, arrival_time=arrival_time)
+        seq = Sequence(request_id, prompt_token_ids, params, detokenizer=detok, arrival_time=arrival_time,
+                       max_len=self.max_model_len)
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
         return seq
@@ -112,7 +120,7 @@ class LLMEngine:
         return [out for rid in list(self.seqs) if (out := self.abort(rid, reason)) is not None]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     @property
     def num_running(self) -> int:
@@ -124,25 +132,41 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Launch the next forward (with its sampling), then collect the previous one's tokens,
+        which reached the host while this one runs on the device."""
         step = self.scheduler.schedule()
-        if step is None:
-            return []
-        self._send(CMD_FORWARD, step.batch.to_array())
-        start = time.perf_counter()
-        logits = self.runner.forward(step.batch)
-        self.forward_seconds += time.perf_counter() - start
-        self.num_steps += 1
-        self.num_forward_tokens += step.num_tokens
-        self._add_fusion_stats()
-        self.scheduler.commit(step)
+        launched = None
+        if step is not None:
+            rows = [(seq.params, row_key(seq.sampling_seed, seq.next_sample_index))
+                    for seq, sampled in zip(step.seqs, step.sample) if sampled]
+            sampling = SamplingBatch.build(rows)  # no rows: a step of prompt chunks only
+            self._send(CMD_FORWARD, np.concatenate([sampling.to_array(), step.batch.to_array()]))
+            start = time.perf_counter()
+            result = self.runner.execute(step.batch, sampling, sample=bool(rows))
+            self.forward_seconds += time.perf_counter() - start
+            self.num_steps += 1
+            self.num_forward_tokens += step.num_tokens
+            self._add_fusion_stats()
+            self.scheduler.commit(step)
+            launched = (step, result)
+        outputs = self._collect(*self._inflight) if self._inflight is not None else []
+        self._inflight = launched
+        return outputs
 
+    def _collect(self, step, result) -> list[RequestOutput]:
+        start = time.perf_counter()
+        tokens = result()  # waits for that step's tokens only
+        self.forward_seconds += time.perf_counter() - start
         outputs, row = [], 0
         now = time.monotonic()
-        for seq, wants_sample in zip(step.seqs, step.sample):
-            if not wants_sample:
+        for seq, sampled in zip(step.seqs, step.sample):
+            if not sampled:
                 continue
-            token = sample(logits[row], seq.params, seq.rng)
+            token = int(tokens[row])
             row += 1
+            if seq.finished:  # aborted, or stopped at the step before: this row was a spare
+                continue
+            seq.num_inflight -= 1
             seq.append_token(token, self.eos_token_ids, self.max_model_len, now=now)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq, seq.finish_reason)
@@ -211,7 +235,8 @@ def run_worker(runner, broadcast_int64) -> int:
         if cmd == CMD_STOP:
             return steps
         if cmd == CMD_FORWARD:
-            runner.forward(ForwardBatch.from_array(msg[1:]))
+            sampling, used = SamplingBatch.from_array(msg[1:])
+            runner.execute(ForwardBatch.from_array(msg[1 + used:]), sampling, sample=len(sampling.keys) > 0)
             steps += 1
         elif cmd != CMD_NOOP:
             raise RuntimeError(f"rank 0 sent an unknown command {cmd}")

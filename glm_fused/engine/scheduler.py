@@ -81,7 +81,9 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         budget = self.max_num_batched_tokens
         picked: list[tuple[Sequence, int]] = []
-        decoding = [s for s in self.running if not s.in_prefill]
+        # A decoding sequence feeds its last token (on the host, or in flight from the step
+        # before); one that has all the tokens it may make waits for them to arrive instead.
+        decoding = [s for s in self.running if not s.in_prefill and s.num_pending and s.wants_more]
         prefilling = [s for s in self.running if s.in_prefill]
         for seq in decoding + prefilling:
             if budget == 0:
@@ -109,7 +111,7 @@ class Scheduler:
             start = seq.num_computed
             ids.extend(seq.token_ids(start, start + n))
             positions.extend(range(start, start + n))
-            ends = start + n == seq.num_tokens
+            ends = start + n == seq.num_tokens + seq.num_inflight
             if ends:
                 logits_indices.append(offset + n - 1)
             offset += n
@@ -117,8 +119,8 @@ class Scheduler:
             num_new.append(n)
             sample.append(ends)
         if not logits_indices:
-            # Only mid-prompt chunks this step: ask for one row anyway (ignored) so the
-            # backends never see an empty logits selection.
+            # Only mid-prompt chunks this step (nothing is sampled): ask for one row anyway so
+            # the backends never see an empty logits selection.
             logits_indices.append(offset - 1)
         batch = ForwardBatch(
             input_ids=np.asarray(ids, dtype=np.int64),
@@ -131,6 +133,8 @@ class Scheduler:
         return ScheduledStep(seqs, num_new, sample, batch)
 
     def commit(self, step: ScheduledStep) -> None:
-        """The forward ran: the scheduled tokens are now in the cache."""
-        for seq, n in zip(step.seqs, step.num_new):
+        """The forward was launched: the scheduled tokens are in the cache, and each sampled
+        sequence has one more token in flight."""
+        for seq, n, sampled in zip(step.seqs, step.num_new, step.sample):
             seq.num_computed += n
+            seq.num_inflight += sampled

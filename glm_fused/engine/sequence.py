@@ -18,18 +18,20 @@ class Sequence:
     """A request: its prompt, generated tokens, slot, and how much of it is cached."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 detokenizer=None, arrival_time: float | None = None):
+                 detokenizer=None, arrival_time: float | None = None, max_len: int = 1 << 62):
         if not prompt_token_ids:
             raise ValueError("empty prompt")
         self.request_id = request_id
         self.prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.params = params
+        self.max_len = max_len  # the context limit: prompt + output
         self.output_token_ids: list[int] = []
         self.status = Status.WAITING
         self.slot: int | None = None
         self.num_computed = 0     # tokens whose keys/values are in the cache
+        self.num_inflight = 0     # tokens sampled on the device whose value the host has not seen yet
         self.finish_reason: str | None = None
-        self.rng = params.make_generator()
+        self.sampling_seed = params.sampling_seed()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -53,8 +55,21 @@ class Sequence:
 
     @property
     def num_pending(self) -> int:
-        """Tokens known but not yet in the cache: the rest of the prompt, or the last sample."""
-        return self.num_tokens - self.num_computed
+        """Tokens not yet in the cache: the rest of the prompt, or the last sample (on the host
+        or still in flight)."""
+        return self.num_tokens + self.num_inflight - self.num_computed
+
+    @property
+    def wants_more(self) -> bool:
+        """Whether another token may still be generated, counting those in flight (EOS and stop
+        strings are only known once a token reaches the host)."""
+        made = len(self.output_token_ids) + self.num_inflight
+        return made < self.params.max_tokens and self.num_tokens + self.num_inflight < self.max_len
+
+    @property
+    def next_sample_index(self) -> int:
+        """The output index of the next token to be drawn (what its uniforms are keyed by)."""
+        return len(self.output_token_ids) + self.num_inflight
 
     @property
     def in_prefill(self) -> bool:
@@ -65,13 +80,16 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens ``start:end`` of prompt + output (a prefill chunk, or the last sample)."""
-        p = self.prompt_len
+        """Tokens ``start:end`` of prompt + output (a prefill chunk, or the last sample); -1 for
+        a token still in flight (the runner reads it from the device)."""
+        p, n = self.prompt_len, self.num_tokens
         if end <= p:
-            return self.prompt_token_ids[start:end]
-        if start >= p:
-            return self.output_token_ids[start - p:end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+            known = self.prompt_token_ids[start:end]
+        elif start >= p:
+            known = self.output_token_ids[start - p:end - p]
+        else:
+            known = self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+        return known + [-1] * (min(end, n + self.num_inflight) - max(start, n))
 
     # ---- generation ----------------------------------------------------------------------
     def append_token(self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int,

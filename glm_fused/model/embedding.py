@@ -31,7 +31,8 @@ class VocabParallelEmbedding(Module):
 
 
 class ParallelLMHead(Module):
-    """Logits of this rank's vocab block, then gathered to the full vocabulary on every rank."""
+    """Logits of this rank's vocab block, then gathered to the full vocabulary: on every rank,
+    or (``dst``) on that rank only (the engine samples on rank 0; the others get None)."""
 
     def __init__(self, vocab_start: int, vocab_end: int, hidden_size: int, comm, dtype: str = "float32"):
         super().__init__()
@@ -39,5 +40,6 @@ class ParallelLMHead(Module):
         self.comm = comm
         self.weight = self.param([vocab_end - vocab_start, hidden_size], dtype)
 
-    def forward(self, hidden):
-        return self.comm.all_gather(self.F.linear(hidden, self.weight), dim=-1)
+    def forward(self, hidden, dst: int | None = None):
+        local = self.F.linear(hidden, self.weight)
+        return self.comm.all_gather(local, dim=-1) if dst is None else self.comm.gather(local, dim=-1, dst=dst)

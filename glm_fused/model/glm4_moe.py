@@ -159,9 +159,10 @@ class Glm4MoeForCausalLM(Glm4MoeModel):
             return self._logits_without_cache(input_ids)
         return super().forward(input_ids, positions, batch, kv_caches)
 
-    def compute_logits(self, hidden):
-        """Full-vocab logits on every rank (local block, then all-gather)."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden, dst: int | None = None):
+        """Full-vocab logits on every rank (local block, then all-gather), or on rank ``dst``
+        only (None elsewhere)."""
+        return self.lm_head(hidden, dst)
 
     def _logits_without_cache(self, input_ids):
         F = self.F

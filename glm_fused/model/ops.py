@@ -194,12 +194,27 @@ class Ops:
             begin = end
         return self.cast(out, self.dtype_name(x))
 
+    # ---- sampling (glm_fused.engine.sampling states the rule) --------------------------------
+    def sample(self, logits, sampling):
+        """Token ids ``[rows]`` (int64, on the logits' device) drawn from ``logits [rows, vocab]``
+        by the rule of ``glm_fused.engine.sampling``. This default draws on the host."""
+        return self.tensor(sampling.sample_on_host(self.to_numpy(self.float32(logits))), like=logits)
+
+    def to_host_async(self, x, staging=None):
+        """A callable giving ``x`` as a numpy array once it is on the host (default: at once)."""
+        value = self.to_numpy(x)
+        return lambda: value
+
+    def pinned(self, n: int, dtype: str):
+        """A host staging buffer for ``to_host_async`` (None: this framework copies at once)."""
+        return None
+
     # ---- what a framework offers beyond the maths (defaults: nothing) --------------------
     def can_capture(self, model) -> bool:
         """Whether ``capture_decode_graphs`` can make replayable decode steps for this model."""
         return False
 
-    def capture_decode_graphs(self, model, kv_caches: list, max_num_seqs: int, pad_slot: int):
+    def capture_decode_graphs(self, model, kv_caches: list, max_num_seqs: int, pad_slot: int, next_tokens):
         """Replayable decode steps (CUDA graphs; ``glm_fused.torch_backend.cuda_graph``)."""
         raise NotImplementedError
 

@@ -117,6 +117,12 @@ class TPComm(TPCommBase):
         out = paddle.concat(parts, axis=dim)
         return out.to(x.place) if self._via_host else out
 
+    def gather(self, x: paddle.Tensor, dim: int = -1, dst: int = 0) -> paddle.Tensor | None:
+        # Paddle's gloo has no reliable gather (NOTES: only the global-group basics are): an
+        # all-gather, kept on dst only. Paddle runs on CPU here, where the cost is small.
+        out = self.all_gather(x, dim)
+        return out if self.rank == dst else None
+
     def broadcast(self, x: paddle.Tensor, src: int = 0) -> paddle.Tensor:
         if self.size == 1:
             return x

@@ -11,6 +11,10 @@ of the scratch KV slot ``pad_slot`` (one slot beyond the engine's), so they neve
 real sequence (the cost: one more KV slot, 1/max_num_seqs more cache). The fused all-reduce
 workspace must exist before capture (the runner makes it first). Graphs share one memory
 pool, captured largest first.
+
+An input id of -1 is a placeholder for the token the previous step sampled for that
+sequence (the engine schedules a step before the previous one's tokens reach the host):
+inside the graph it is read from ``next_tokens[slot]``, the runner's device buffer.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """The captured decode steps of one model and KV cache; ``run(batch)`` replays one."""
 
-    def __init__(self, model, kv_caches: list, max_num_seqs: int, pad_slot: int):
+    def __init__(self, model, kv_caches: list, max_num_seqs: int, pad_slot: int, next_tokens: torch.Tensor):
         self.model, self.pad_slot = model, pad_slot
         self.sizes = capture_sizes(max_num_seqs)
         n = self.sizes[-1]
@@ -49,7 +53,9 @@ class DecodeGraphs:
             meta = AttentionMetadata.for_decode(self.inputs[2, :bs], self.inputs[1, :bs], self.inputs[3, :bs])
 
             def step(bs=bs, meta=meta):
-                return model.forward_hidden(self.inputs[0, :bs], self.inputs[1, :bs], meta, kv_caches)
+                ids, slots = self.inputs[0, :bs], self.inputs[2, :bs]
+                ids = torch.where(ids < 0, next_tokens[slots], ids)
+                return model.forward_hidden(ids, self.inputs[1, :bs], meta, kv_caches)
 
             step()  # compile and warm every kernel outside the capture
             torch.cuda.synchronize(dev)

@@ -108,6 +108,14 @@ class TPComm(TPCommBase):
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def gather(self, x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == dst else None
+        dist.gather(x, parts, dst=dst, group=self.group)
+        return torch.cat(parts, dim=dim) if self.rank == dst else None
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size > 1:
             dist.broadcast(x, src=src, group=self.group)

@@ -21,7 +21,31 @@ from glm_fused.model.module import bind
 from glm_fused.model.ops import Ops, Routing
 from glm_fused.torch_backend import dist, kernels
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
+          "int32": torch.int32, "bool": torch.bool}
+
+
+def _int64(c: int) -> int:
+    """A 64-bit constant as the signed int64 holding the same bits (tensor arithmetic wraps)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def counter_uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``glm_fused.engine.sampling.uniforms`` for every row at once: float64 ``[rows, vocab]``,
+    bit-identical to the host's (the same SplitMix64 on wrapping int64)."""
+    from glm_fused.engine.sampling import GOLDEN, MIX1, MIX2
+
+    v = torch.arange(1, vocab + 1, device=keys.device, dtype=torch.int64)
+    x = keys[:, None] + v * _int64(GOLDEN)
+    x = (x ^ _shr(x, 30)) * _int64(MIX1)
+    x = (x ^ _shr(x, 27)) * _int64(MIX2)
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 11).double() + 0.5) / float(1 << 53)
 
 
 class TorchOps(Ops):
@@ -216,16 +240,67 @@ class TorchOps(Ops):
         return fused_experts(x, gate_up, down, weights, ids, self.swiglu(x, shared_gate_up, shared_down),
                              expert_range=partial)
 
+    # ---- sampling on the device -----------------------------------------------------------
+    def sample(self, logits, sampling):
+        """The rule of ``glm_fused.engine.sampling`` on the logits' device; no host sync.
+
+        Greedy rows take the argmax; the others Gumbel-max over the top-k / top-p survivors,
+        with the same counter-based uniforms as the host (float64, so a draw matches the
+        host's except at float ties of the top-p boundary).
+        """
+        x = logits.float()
+        greedy = x.argmax(-1)
+        if sampling.all_greedy:
+            return greedy
+        dev, V = x.device, x.shape[-1]
+        temp = torch.as_tensor(sampling.temperature, device=dev)
+        xs = x.double() / torch.where(temp > 0, temp, 1.0).double()[:, None]
+        if (sampling.top_k > 0).any():
+            K = min(int(sampling.top_k.max()), V)
+            kth = xs.topk(K, dim=-1).values.gather(
+                1, torch.as_tensor(np.clip(sampling.top_k, 1, K) - 1, device=dev)[:, None])
+            on = torch.as_tensor((sampling.top_k > 0) & (sampling.top_k < V), device=dev)[:, None]
+            xs = torch.where(on & (xs < kth), float("-inf"), xs)
+        if (sampling.top_p < 1).any():
+            top_p = torch.as_tensor(sampling.top_p, device=dev, dtype=torch.float64)[:, None]
+            ordered = xs.sort(dim=-1, descending=True).values
+            probs = torch.softmax(ordered, dim=-1)
+            # Keep tokens while the mass BEFORE them is below top_p: the first always stays.
+            kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True)
+            last = ordered.gather(1, kept - 1)
+            xs = torch.where((top_p < 1) & (xs < last), float("-inf"), xs)
+        g = -torch.log(-torch.log(counter_uniforms(torch.as_tensor(sampling.keys, device=dev), V)))
+        return torch.where(temp > 0, (xs + g).argmax(-1), greedy)
+
+    def to_host_async(self, x, staging=None):
+        """Copy ``x`` into pinned ``staging`` without waiting; the callable waits for the copy only."""
+        if x.device.type != "cuda" or staging is None:
+            return super().to_host_async(x)
+        host = staging[: x.numel()].view(x.shape)
+        host.copy_(x, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def result() -> np.ndarray:
+            done.synchronize()
+            return host.numpy().copy()
+
+        return result
+
+    def pinned(self, n: int, dtype: str):
+        """A page-locked host buffer (fast, asynchronous device-to-host copies)."""
+        return torch.empty(n, dtype=DTYPES[dtype], pin_memory=torch.cuda.is_available())
+
     # ---- CUDA graphs and device housekeeping ---------------------------------------------
     def can_capture(self, model) -> bool:
         # Graphs need the Triton path: the plain ops sync with the host (the expert loop).
         return model.device.type == "cuda" and kernels.enabled(model.embed_tokens.weight)
 
-    def capture_decode_graphs(self, model, kv_caches, max_num_seqs, pad_slot):
+    def capture_decode_graphs(self, model, kv_caches, max_num_seqs, pad_slot, next_tokens):
         from glm_fused.torch_backend.cuda_graph import DecodeGraphs
 
         with torch.inference_mode():
-            return DecodeGraphs(model, kv_caches, max_num_seqs, pad_slot=pad_slot)
+            return DecodeGraphs(model, kv_caches, max_num_seqs, pad_slot=pad_slot, next_tokens=next_tokens)
 
     def synchronize(self, device) -> None:
         if torch.device(device).type == "cuda":
