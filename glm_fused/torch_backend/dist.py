@@ -8,6 +8,7 @@ GPU also use gloo (it carries CUDA tensors through host memory); one GPU per ran
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import numpy as np
@@ -49,14 +50,17 @@ def shares_gpu() -> bool:
     return device().type == "cuda" and dist_backend() == "gloo"
 
 
-def init_distributed() -> tuple[int, int]:
-    """Join the global process group from the launcher's environment; a no-op at world size 1."""
+def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
+    """Join the global process group from the launcher's environment; a no-op at world size 1.
+    ``timeout_s``: how long any collective may wait for a peer (None: torch's default)."""
     rank, world = rank_and_world()
     if world > 1 and not dist.is_initialized():
         dev = device()
         backend = dist_backend()
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         kwargs = {"device_id": dev} if backend == "nccl" else {}
+        if timeout_s is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world, **kwargs)
         from glm_fused.launcher import at_rank_end
 
