@@ -8,11 +8,12 @@ stall the engine loop, the collectives it drives, and ``/health``.
 Checks run cheapest first, so a hostile request costs little:
 1. the body is UTF-8 JSON (no NaN/Infinity) holding an object;
 2. no string holds a lone UTF-16 surrogate (``"\\ud800"`` is valid JSON but not text);
-3. the fields validate strictly (``protocol``), the model name matches, unsupported
+3. a token-id prompt longer than the context is refused before its ids are validated;
+4. the fields validate strictly (``protocol``), the model name matches, unsupported
    features are refused, sampling parameters are in range;
-4. a text prompt too long to fit in ``max_model_len`` tokens whatever its tokenization is
+5. a text prompt too long to fit in ``max_model_len`` tokens whatever its tokenization is
    refused before it is tokenized (see ``RequestPreprocessor.max_token_chars``);
-5. chat template, tokenization, then the token count against the context limit.
+6. chat template, tokenization, then the token count against the context limit.
 """
 
 from __future__ import annotations
@@ -74,10 +75,12 @@ class RequestPreprocessor:
         self.max_token_chars = longest_token_chars(tokenizer) if tokenizer is not None else None
 
     def prepare(self, kind: str, body: bytes) -> Prepared:
+        data = parse_json(body)
         if kind == "completion":
-            return self.completion(parse_body(body, P.CompletionRequest))
+            self._check_ids_fit(data.get("prompt"))
+            return self.completion(validate(data, P.CompletionRequest))
         if kind == "chat":
-            return self.chat(parse_body(body, P.ChatCompletionRequest))
+            return self.chat(validate(data, P.ChatCompletionRequest))
         raise ValueError(f"unknown request kind {kind!r}")
 
     # ---- the endpoints --------------------------------------------------------------------
@@ -129,6 +132,15 @@ class RequestPreprocessor:
             raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
 
+    def _check_ids_fit(self, prompt: Any) -> None:
+        """Refuse a token-id prompt longer than the context before validating every id."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and len(prompt) >= self.max_model_len and not isinstance(prompt[0], str):
+            raise ApiError(400, f"prompt has {len(prompt)} tokens; this server's context limit (--max-model-len) "
+                                f"is {self.max_model_len}, leaving no room to generate",
+                           param="prompt", code="context_length_exceeded")
+
     def _check_text_fits(self, chars: int, param: str) -> None:
         """Refuse text that needs more tokens than the context holds, before tokenizing it."""
         if self.max_token_chars is None:
@@ -159,8 +171,8 @@ def longest_token_chars(tokenizer) -> int:
     return max(1, max(len(token) for token in tokenizer.vocab_strings()))
 
 
-def parse_body(body: bytes, model: type[BaseModel]) -> Any:
-    """The request body as ``model``, or a 400 naming what is wrong."""
+def parse_json(body: bytes) -> dict:
+    """The request body as a JSON object, or a 400 saying what is wrong with it."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -182,6 +194,11 @@ def parse_body(body: bytes, model: type[BaseModel]) -> Any:
             param = ".".join(map(str, path))
             raise ApiError(400, f"{param} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
                                 "which is not text", param=param)
+    return data
+
+
+def validate(data: dict, model: type[BaseModel]) -> Any:
+    """``data`` as ``model`` (strict), or a 400 naming the first field at fault."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
