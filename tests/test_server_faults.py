@@ -464,10 +464,10 @@ def test_hang_up_is_seen_through_any_middleware(fake_server):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("fake_server", [{"max_body_bytes": 64 * 1024}], indirect=True)
+@pytest.mark.parametrize("fake_server", [{"max_body_bytes": 16 * 1024}], indirect=True)
 def test_body_limit_answers_413_in_openai_shape(fake_server):
     url, _ = fake_server
-    big = json.dumps({"model": "fake", "prompt": [1] * 100_000}).encode()
+    big = json.dumps({"model": "fake", "prompt": [1] * 20_000}).encode()
     r = httpx.post(f"{url}/v1/completions", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert "--max-request-body-bytes" in r.json()["error"]["message"]
@@ -478,7 +478,7 @@ def test_body_limit_answers_413_in_openai_shape(fake_server):
     # The official client gets a 413 error, not a reset connection it would retry.
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.APIStatusError) as info:
-        client.completions.create(model="fake", prompt=[1] * 100_000, max_tokens=1)
+        client.completions.create(model="fake", prompt=[1] * 20_000, max_tokens=1)
     assert info.value.status_code == 413
     assert 'request_errors_total{status="413"} 3' in httpx.get(f"{url}/metrics").text
     assert client.completions.create(model="fake", prompt=[1, 2], max_tokens=1).usage.completion_tokens == 1

@@ -25,7 +25,8 @@ DEFAULT_MAX_REQUEST_BODY = "4M"
 DEFAULT_WATCHDOG_TIMEOUT_S = 20.0   # below Paddle's fixed 30 s gloo timeout, so the watchdog reports first
 DEFAULT_DIST_TIMEOUT_S = 600.0      # covers ranks that finish loading minutes apart
 DEFAULT_PREPROCESS_WORKERS = 2
-STOP_DRAIN_S = (0.5, 2.0)           # after a stop: keep answering 503 at least / at most this long
+STOP_DRAIN_S = (0.5, 1.5)           # after a stop: keep answering 503 at least / at most this long
+                                    # (well inside the launcher's 3 s grace before SIGKILL)
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmg]?)(i?b)?\s*$", re.IGNORECASE)
 
 

@@ -41,7 +41,6 @@ from glm_fused.server.preprocess_pool import PreprocessPool
 logger = logging.getLogger("glm_fused.server")
 
 IDLE_POLL_S = 0.1          # engine loop wake-up while idle (stop flag, heartbeat)
-DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
 
 class ClientGone(Exception):
@@ -170,9 +169,10 @@ def _observe(metrics: ServerMetrics, outs: list[RequestOutput]) -> None:
 
 # ---- the FastAPI app ---------------------------------------------------------------------
 def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str, pool: PreprocessPool,
-               max_model_len: int, api_key: str | None = None, info: dict | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """``info``: what the server runs (backend, TP, layout, fusion...), shown in /v1/models;
+               max_model_len: int, max_body_bytes: int, api_key: str | None = None,
+               info: dict | None = None) -> FastAPI:
+    """``pool`` prepares requests (``preprocess_pool``); bodies over ``max_body_bytes`` get 413.
+    ``info``: what the server runs (backend, TP, layout, fusion...), shown in /v1/models;
     the caller may fill it in after the model has loaded. Serve it with ``HttpServer``, whose
     ``ClientWatch`` tells the handlers when a client hangs up."""
     info = {} if info is None else info
@@ -251,7 +251,11 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
     async def read_body(raw: Request) -> bytes:
         """The body, refused with 413 as soon as it is known to exceed the limit (from
         Content-Length before reading, else while reading). uvicorn reads and drops what the
-        client still sends, so it gets the 413 rather than a reset connection."""
+        client still sends, so it gets the 413 rather than a reset connection.
+
+        By hand rather than FastAPI's ``max_body_size``: that needs fastapi >= 0.164 (starlette
+        >= 1.6), and it turns any answer that starts before the body is read (a 401, a 404)
+        into a plain-text 413, outside OpenAI's error shape."""
         declared = raw.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > max_body_bytes:
             raise body_too_large(f"{int(declared)} bytes")
