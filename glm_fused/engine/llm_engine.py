@@ -238,7 +238,9 @@ def run_worker(runner, broadcast_int64, barrier: Callable[[], object] | None = N
         if cmd == CMD_FORWARD:
             runner.forward(ForwardBatch.from_array(msg[1:]))
             steps += 1
-        elif cmd == CMD_PING and barrier is not None:
+        elif cmd == CMD_PING:
+            if barrier is None:
+                raise RuntimeError("rank 0 pings, but this rank was given no barrier to answer with")
             barrier()
         elif cmd != CMD_NOOP:
             raise RuntimeError(f"rank 0 sent an unknown command {cmd}")
