@@ -18,6 +18,7 @@ setup(
         "jinja2>=3.1",
         "tqdm>=4.60",
         "fastapi>=0.110",
+        "pydantic>=2.5",  # strict request validation (server/protocol.py)
         "uvicorn>=0.27",
     ],
     extras_require={

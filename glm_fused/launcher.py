@@ -106,6 +106,37 @@ def _end_rank() -> None:
         _RANK_END_HOOKS.pop()()
 
 
+def stop_signal_name(received: int) -> str:
+    """The name of the signal that asked this job to stop.
+
+    The launcher passes every stop request on to the ranks as SIGINT (see ``_Ranks._stop``)
+    and writes the one it caught to ``GLM_FUSED_STOP_SIGNAL_FILE`` first; outside the
+    launcher, ``received`` is the signal itself.
+    """
+    path = os.environ.get("GLM_FUSED_STOP_SIGNAL_FILE")
+    if path:
+        with contextlib.suppress(OSError):
+            if name := Path(path).read_text().strip():
+                return name
+    return signal.Signals(received).name
+
+
+def exit_rank_now(message: str, code: int = 1) -> None:
+    """End this process at once, from any thread, reporting ``message``: a rank of the
+    launcher hands it over as its failure report (the launcher prints ``error: <message>``
+    and stops the other ranks), a process on its own prints it. For a rank whose main
+    thread cannot unwind (blocked inside a collective that will never complete)."""
+    error_file = os.environ.get("GLM_FUSED_ERROR_FILE")
+    if error_file:
+        _write_error(error_file, {"kind": "internal", "summary": message, "traceback": ""})
+    else:
+        _print_error(message)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
 def _first_env(*names: str) -> str | None:
     for name in names:
         if value := os.environ.get(name):
@@ -440,6 +471,7 @@ class _Ranks:
             "GLM_FUSED_DEVICE_ID": str(device_id),
             "GLM_FUSED_DIST_BACKEND": backend,
             "GLM_FUSED_ERROR_FILE": str(self._error_file(rank)),
+            "GLM_FUSED_STOP_SIGNAL_FILE": str(self.dir / "stop-signal"),
             "PADDLE_TRAINER_ID": str(rank),
             "PADDLE_TRAINERS_NUM": str(n),
             "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
@@ -498,6 +530,9 @@ class _Ranks:
     def _stop(self, caught: list[int]) -> None:
         """Ask every live rank to stop, SIGKILL what is left after the grace period."""
         signals_seen = len(caught)
+        if caught:  # for the ranks' stop messages: they only see the SIGINT sent below
+            with contextlib.suppress(OSError):
+                (self.dir / "stop-signal").write_text(signal.Signals(caught[0]).name)
         running = [p for p in self.procs if _peek(p) is None]
         for proc in running:
             # SIGINT, not SIGTERM: Paddle replaces SIGTERM's handler with one that prints

@@ -149,6 +149,10 @@ class Tokenizer:
         """Tokens the tokenizer can produce, added tokens included (<= the model's vocab)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def vocab_strings(self) -> list[str]:
+        """Every token as the vocabulary spells it, added tokens included."""
+        return list(self._tok.get_vocab(with_added_tokens=True))
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

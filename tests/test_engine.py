@@ -16,8 +16,8 @@ import pytest
 
 from glm_fused.batch import ForwardBatch
 from glm_fused.engine import InvalidParam, LLMEngine, SamplingParams, Scheduler, Sequence, run_worker, sample
+from glm_fused.engine.llm_engine import CMD_NOOP, CMD_PING
 from glm_fused.engine.sampling import row_key
-from glm_fused.engine.llm_engine import CMD_NOOP
 from glm_fused.engine_args import EngineArgs
 from glm_fused.runner import LogitsRunner
 from glm_fused.tokenizer import IncrementalDecoder
@@ -344,6 +344,23 @@ def test_broadcast_protocol_workers_see_every_forward():
         assert np.array_equal(a.to_array(), b.to_array())
     assert all(s.finished for s in seqs)
     assert pipe.empty()
+
+
+def test_idle_ping_is_answered_with_a_barrier():
+    """With a barrier, an idle heartbeat is a round trip: rank 0 pings, then both sides meet."""
+    pipe: queue.Queue = queue.Queue()
+    meet = threading.Barrier(2, timeout=10)
+    thread = threading.Thread(target=run_worker, args=(FakeRunner(1, 8), lambda _a, src=0: pipe.get(timeout=10)),
+                              kwargs={"barrier": meet.wait})
+    thread.start()
+    engine, _ = make_engine(broadcast=pipe.put, barrier=meet.wait, heartbeat_s=0.0)
+    engine.heartbeat()                 # returns only once the worker has answered
+    assert meet.n_waiting == 0
+    engine.stop_workers()
+    thread.join(10)
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="no barrier"):
+        run_worker(FakeRunner(1, 8), lambda _a, src=0: np.array([CMD_PING]))
 
 
 def test_worker_rejects_unknown_command():

@@ -125,6 +125,57 @@ def server(request, tmp_path_factory):
         srv.close()
 
 
+def rank_pids(srv: Server) -> dict[int, int]:
+    """rank -> pid of the server's ranks."""
+    out = {}
+    for pid in children(srv.proc.pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = [e.split(b"=", 1)[1] for e in env if e.startswith(b"GLM_FUSED_RANK=")]
+        if ranks and b"glm_fused.launcher" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            out[int(ranks[0])] = pid
+    return out
+
+
+def stop_watching_health(srv: Server, signum=signal.SIGTERM, timeout=20) -> tuple[list, float]:
+    """Send ``signum`` and poll /health until the server exits: the statuses seen in order
+    ("refused" once it no longer listens), and how long the exit took."""
+    seen: list = []
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            try:
+                seen.append(httpx.get(f"{srv.url}/health", timeout=2).status_code)
+            except httpx.TransportError:
+                seen.append("refused")
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    time.sleep(0.1)
+    start = time.monotonic()
+    try:
+        srv.proc.send_signal(signum)
+        srv.proc.wait(timeout)
+    finally:
+        done.set()
+        poller.join(5)
+    return seen, time.monotonic() - start
+
+
+def check_stop_answers_503(seen: list, output: str, name: str) -> None:
+    """From the moment a stop begins /health says 503, until the server stops listening;
+    the stop line names the signal that was sent."""
+    assert 503 in seen, seen
+    after_stop = seen[seen.index(503):]
+    assert set(after_stop) <= {503, "refused"} and after_stop == sorted(after_stop, key=lambda x: x == "refused"), \
+        seen
+    assert f"{name}: stopping..." in output, output[-2000:]
+
+
 def complete(srv: Server, prompt, max_tokens=8, **extra) -> tuple[str, list[int], str, dict]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "return_token_ids": True, **extra}
@@ -358,17 +409,15 @@ def test_sigterm_cancels_in_flight_and_stops_every_rank(server):
     while len(events) < 3 and time.monotonic() < end and thread.is_alive():
         time.sleep(0.05)
     assert len(events) >= 3 and events[0].startswith("data: {"), events
-    start = time.monotonic()
-    server.proc.send_signal(signal.SIGTERM)
-    server.proc.wait(20)
-    took = time.monotonic() - start
+    seen, took = stop_watching_health(server)
     thread.join(10)
     assert took < 10, f"shutdown took {took:.1f}s"
     assert not any(alive(p) for p in server.ranks), "a rank outlived the server"
     finals = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
     assert finals and finals[-1]["choices"][0]["finish_reason"] == "abort", events[-3:]
     assert events[-1] == "data: [DONE]"
-    assert ": stopping..." in server.output() and "every rank told to stop" in server.output()
+    check_stop_answers_503(seen, server.output(), "SIGTERM")
+    assert "every rank told to stop" in server.output()
 
 
 @pytest.mark.timeout(240)
@@ -421,6 +470,8 @@ def fake_server(request):
     from glm_fused.engine_args import EngineArgs
     from glm_fused.server import EngineBridge, HttpServer, ServerMetrics, create_app, run_engine_loop
 
+    from glm_fused.server.preprocess_pool import PreprocessPool
+
     opts = getattr(request, "param", {})
     tokenizer = None
     if opts.get("tokenizer"):
@@ -429,8 +480,12 @@ def fake_server(request):
 
         tokenizer = Tokenizer(ensure_tiny_checkpoint())
     bridge, metrics = EngineBridge(), ServerMetrics()
-    app = create_app(bridge, metrics, model_name="fake", tokenizer=tokenizer, max_model_len=64,
-                     api_key=opts.get("api_key"))
+    pool = PreprocessPool({"model_name": "fake", "max_model_len": 64, "vocab_size": 1024,
+                           "tokenizer_dir": str(tokenizer.model_dir) if tokenizer else None}, workers=0)
+    app = create_app(bridge, metrics, model_name="fake", pool=pool, max_model_len=64,
+                     api_key=opts.get("api_key"), max_body_bytes=opts.get("max_body_bytes", 4 * 2**20))
+    for middleware in opts.get("middleware", []):
+        app.middleware("http")(middleware)
     port = free_port()
     http = HttpServer(app, "127.0.0.1", port)
     http.start()
@@ -576,6 +631,12 @@ def test_torch_backend_serves_the_same_greedy_tokens(tmp_path):
         assert metric(servers["torch"], "allreduce_calls_total", '{kind="fused_allreduce_norm_calls"}') > 0
         assert metric(servers["torch"], "allreduce_calls_total", '{kind="plain_allreduce_calls"}') == 0
         assert "backend=torch" in servers["torch"].output()
+        # Stopping: /health says 503 from the moment it begins; the stop line names the signal.
+        ranks = servers["torch"].ranks
+        seen, took = stop_watching_health(servers["torch"], signal.SIGINT)
+        assert servers["torch"].proc.returncode is not None and took < 10
+        check_stop_answers_503(seen, servers["torch"].output(), "SIGINT")
+        assert not any(alive(p) for p in ranks)
     finally:
         for srv in servers.values():
             srv.close()

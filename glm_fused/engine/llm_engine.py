@@ -29,7 +29,9 @@ from glm_fused.engine_args import EngineArgs
 from glm_fused.engine.sequence import Sequence
 from glm_fused.tokenizer import IncrementalDecoder
 
-CMD_STOP, CMD_FORWARD, CMD_NOOP = 0, 1, 2
+# CMD_PING: a no-op the other ranks answer with a barrier, so an idle rank 0 notices a rank
+# that stopped answering (its engine watchdog sees the barrier hang).
+CMD_STOP, CMD_FORWARD, CMD_NOOP, CMD_PING = 0, 1, 2, 3
 
 
 @dataclass
@@ -46,6 +48,35 @@ class RequestOutput:
     seq: Sequence  # read-only view for timings and full results
 
 
+def check_prompt(prompt_token_ids: list[int], params: SamplingParams, *, max_model_len: int,
+                 vocab_size: int | None, param: str = "prompt", max_tokens_given: bool = True) -> None:
+    """Raise InvalidParam when a request cannot fit; ``param`` names the prompt field.
+
+    A module function as well as an engine method: the server's preprocessing workers check
+    prompts before they reach the engine (``glm_fused.server.preprocess``).
+    """
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidParam(param, f"{param} is empty")
+    if vocab_size is not None:
+        try:
+            ids = np.asarray(prompt_token_ids, dtype=np.int64)
+            bad = [int(t) for t in ids[(ids < 0) | (ids >= vocab_size)][:1]]
+        except OverflowError:  # an id beyond int64
+            bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab_size][:1]
+        if bad:
+            raise InvalidParam(param, f"{param} has token id {bad[0]} outside the vocabulary "
+                                      f"(0..{vocab_size - 1})")
+    if n >= max_model_len:
+        raise InvalidParam(param, f"{param} has {n} tokens; this server's context limit "
+                                  f"(--max-model-len) is {max_model_len}, leaving no room to generate",
+                           code="context_length_exceeded")
+    if max_tokens_given and n + params.max_tokens > max_model_len:
+        raise InvalidParam("max_tokens", f"max_tokens={params.max_tokens} plus the {n} prompt tokens "
+                                         f"exceeds the context limit of {max_model_len} tokens",
+                           code="context_length_exceeded")
+
+
 class LLMEngine:
     """Continuous-batching engine over a ModelRunner (``forward(ForwardBatch) -> logits``).
 
@@ -56,6 +87,7 @@ class LLMEngine:
     def __init__(self, runner, args: EngineArgs, *, vocab_size: int | None = None,
                  eos_token_ids: Iterable[int] = (), tokenizer=None,
                  broadcast: Callable[[np.ndarray], object] | None = None,
+                 barrier: Callable[[], object] | None = None,
                  heartbeat_s: float = 2.0):
         self.runner = runner
         self.scheduler = Scheduler(args)
@@ -64,6 +96,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.tokenizer = tokenizer  # glm_fused.tokenizer.Tokenizer (or anything with decode): text output
         self.broadcast = broadcast
+        self.barrier = barrier  # given: idle heartbeats are pings (the workers pass barrier to run_worker)
         self.heartbeat_s = heartbeat_s
         self.seqs: dict[str, Sequence] = {}
         self._inflight = None  # (ScheduledStep, callable giving its tokens) launched, not yet collected
@@ -79,22 +112,8 @@ class LLMEngine:
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams,
                      param: str = "prompt", max_tokens_given: bool = True) -> None:
         """Raise InvalidParam when a request cannot fit; ``param`` names the prompt field."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidParam(param, f"{param} is empty")
-        if self.vocab_size is not None:
-            bad = [t for t in prompt_token_ids if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise InvalidParam(param, f"{param} has token id {bad[0]} outside the vocabulary "
-                                          f"(0..{self.vocab_size - 1})")
-        if n >= self.max_model_len:
-            raise InvalidParam(param, f"{param} has {n} tokens; this server's context limit "
-                                      f"(--max-model-len) is {self.max_model_len}, leaving no room to generate",
-                               code="context_length_exceeded")
-        if max_tokens_given and n + params.max_tokens > self.max_model_len:
-            raise InvalidParam("max_tokens", f"max_tokens={params.max_tokens} plus the {n} prompt tokens "
-                                             f"exceeds the context limit of {self.max_model_len} tokens",
-                               code="context_length_exceeded")
+        check_prompt(prompt_token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                     param=param, max_tokens_given=max_tokens_given)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> Sequence:
@@ -200,9 +219,14 @@ class LLMEngine:
         self._last_broadcast = time.monotonic()
 
     def heartbeat(self) -> None:
-        """Call while idle: keeps the waiting ranks' broadcast from timing out."""
+        """Call while idle: keeps the waiting ranks' broadcast from timing out, and with a
+        barrier makes it a round trip that every rank must answer."""
         if self.broadcast is not None and time.monotonic() - self._last_broadcast >= self.heartbeat_s:
-            self._send(CMD_NOOP)
+            if self.barrier is None:
+                self._send(CMD_NOOP)
+            else:
+                self._send(CMD_PING)
+                self.barrier()
 
     def stop_workers(self) -> None:
         """Tell the other ranks to leave ``run_worker`` (once)."""
@@ -223,8 +247,9 @@ class LLMEngine:
         return seqs
 
 
-def run_worker(runner, broadcast_int64) -> int:
+def run_worker(runner, broadcast_int64, barrier: Callable[[], object] | None = None) -> int:
     """Loop of every rank but 0: run each forward rank 0 announces, until it says stop.
+    ``barrier`` answers rank 0's pings (give it when rank 0's engine has one).
 
     Returns the number of forwards run.
     """
@@ -238,5 +263,9 @@ def run_worker(runner, broadcast_int64) -> int:
             sampling, used = SamplingBatch.from_array(msg[1:])
             runner.execute(ForwardBatch.from_array(msg[1 + used:]), sampling, sample=len(sampling.keys) > 0)
             steps += 1
+        elif cmd == CMD_PING:
+            if barrier is None:
+                raise RuntimeError("rank 0 pings, but this rank was given no barrier to answer with")
+            barrier()
         elif cmd != CMD_NOOP:
             raise RuntimeError(f"rank 0 sent an unknown command {cmd}")

@@ -33,7 +33,7 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0   # 0 means greedy
     top_p: float = 1.0
-    top_k: int = 0             # 0 (or -1) means the whole vocabulary
+    top_k: int = 0             # 0 (or -1) means the whole vocabulary; other negatives are refused
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -44,7 +44,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k < 0:
+        if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         self.validate()
 
@@ -59,8 +59,9 @@ class SamplingParams:
             raise InvalidParam("temperature", f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int):
-            raise InvalidParam("top_k", f"top_k must be an integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidParam("top_k", f"top_k must be a positive integer, or 0 or -1 for the whole vocabulary, "
+                                        f"got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise InvalidParam("seed", f"seed must be a non-negative 64-bit integer, got {self.seed!r}")
         if len(self.stop) > 16:

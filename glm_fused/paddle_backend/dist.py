@@ -21,14 +21,18 @@ def device() -> str:
     return f"gpu:{device_index()}" if device_kind() == "gpu" else "cpu"
 
 
-def init_distributed() -> tuple[int, int]:
-    """Select this rank's device and join the global group; no group at world size 1."""
+def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
+    """Select this rank's device and join the global group; no group at world size 1.
+    ``timeout_s``: how long an NCCL collective may wait for a peer (None: Paddle's default,
+    30 min). Paddle's gloo group (CPU) has no such setting: gloo's own 30 s applies."""
     rank, world = rank_and_world()
     paddle.set_device(device())
     if world > 1 and not dist.is_initialized():
         # Paddle reads its own PADDLE_* variables (set by the launcher); only the backend
         # may need filling in when a rank was started by hand.
         os.environ.setdefault("PADDLE_DISTRI_BACKEND", dist_backend())
+        if timeout_s is not None:
+            os.environ["PADDLE_PG_TIMEOUT"] = str(int(timeout_s * 1000))  # read by init_parallel_env, in ms
         dist.init_parallel_env()
         from glm_fused.launcher import at_rank_end
 

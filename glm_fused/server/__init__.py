@@ -1,6 +1,25 @@
-"""OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn, rank 0 only)."""
+"""OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn, rank 0 only).
 
-from glm_fused.server.app import EngineBridge, HttpServer, create_app, run_engine_loop
-from glm_fused.server.metrics import ServerMetrics
+Names resolve on first use, so that the preprocessing workers (``python -m
+glm_fused.server.preprocess_pool``) import no web framework.
+"""
 
-__all__ = ["EngineBridge", "HttpServer", "create_app", "run_engine_loop", "ServerMetrics"]
+_LAZY = {
+    "EngineBridge": "glm_fused.server.app",
+    "HttpServer": "glm_fused.server.app",
+    "create_app": "glm_fused.server.app",
+    "run_engine_loop": "glm_fused.server.app",
+    "ServerMetrics": "glm_fused.server.metrics",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'glm_fused.server' has no attribute {name!r}")

@@ -1,18 +1,23 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn), on rank 0.
 
-Threads on rank 0:
+Rank 0's process:
 * the main thread loads the model like every rank, then runs the engine loop
   (``run_engine_loop``): it takes new requests and aborts from a thread-safe queue between
   steps, runs one step, and hands each request's output back to the HTTP thread;
-* the HTTP thread runs uvicorn's event loop. Handlers validate and tokenize, submit to the
-  queue, and await their request's ``asyncio.Queue``, which the engine fills through
-  ``loop.call_soon_threadsafe``.
-The engine never blocks on HTTP and the handlers never touch the model.
+* the HTTP thread runs uvicorn's event loop. A handler reads the body (bounded by
+  ``max_body_bytes``), has a preprocessing worker process parse, validate, render and
+  tokenize it (``preprocess_pool``: that work holds an interpreter lock, so it must not hold
+  this one), submits the token ids to the queue, and awaits its request's ``asyncio.Queue``,
+  which the engine fills through ``loop.call_soon_threadsafe``;
+* the engine watchdog thread (``watchdog``) ends the server when a step stops returning.
+The engine never blocks on HTTP and the handlers never touch the model. A client that hangs
+up is noticed at once (``client_watch``) and its request aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import queue
@@ -21,21 +26,25 @@ import time
 from typing import AsyncIterator
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from glm_fused.engine import InvalidParam, LLMEngine, RequestOutput, SamplingParams
 from glm_fused.errors import UserError
 from glm_fused.server import protocol as P
+from glm_fused.server.client_watch import ClientWatch, client_gone
+from glm_fused.server.errors import ApiError, install_error_handlers
 from glm_fused.server.metrics import ServerMetrics
+from glm_fused.server.preprocess_pool import PreprocessPool
 
 logger = logging.getLogger("glm_fused.server")
 
 IDLE_POLL_S = 0.1          # engine loop wake-up while idle (stop flag, heartbeat)
-DISCONNECT_POLL_S = 0.5    # how often a waiting non-streamed request checks its client
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+class ClientGone(Exception):
+    """Put in a request's results queue when its client hangs up."""
 
 
 class EngineFailed(Exception):
@@ -103,8 +112,10 @@ class EngineBridge:
         self.streams.clear()
 
 
-def run_engine_loop(engine: LLMEngine, bridge: EngineBridge, metrics: ServerMetrics) -> None:
-    """Rank 0's main loop: admit, step, deliver; until a stop is requested."""
+def run_engine_loop(engine: LLMEngine, bridge: EngineBridge, metrics: ServerMetrics, watchdog=None) -> None:
+    """Rank 0's main loop: admit, step, deliver; until a stop is requested. ``watchdog``
+    (an ``EngineWatchdog``) times every call that needs the other ranks."""
+    track = watchdog.track if watchdog is not None else (lambda what: contextlib.nullcontext())
     try:
         while True:
             for cmd in bridge.take(0 if engine.has_unfinished() else IDLE_POLL_S):
@@ -114,8 +125,8 @@ def run_engine_loop(engine: LLMEngine, bridge: EngineBridge, metrics: ServerMetr
                         engine.add_request(rid, prompt_ids, params, arrival_time=arrival)
                         metrics.on_admitted(len(prompt_ids))
                     except (InvalidParam, ValueError) as exc:
-                        bridge.deliver([(rid, P.ApiError(400, str(exc), getattr(exc, "param", None),
-                                                         getattr(exc, "code", None)))])
+                        bridge.deliver([(rid, ApiError(400, str(exc), getattr(exc, "param", None),
+                                                       getattr(exc, "code", None)))])
                 else:
                     out = engine.abort(cmd[1])
                     if out is not None:
@@ -124,14 +135,17 @@ def run_engine_loop(engine: LLMEngine, bridge: EngineBridge, metrics: ServerMetr
                 outs = engine.abort_all("abort")
                 _observe(metrics, outs)
                 bridge.deliver([(o.request_id, o) for o in outs])
-                engine.stop_workers()
+                with track("stop message"):
+                    engine.stop_workers()
                 return
             if engine.has_unfinished():
-                outs = engine.step()
+                with track("step"):
+                    outs = engine.step()
                 _observe(metrics, outs)
                 bridge.deliver([(o.request_id, o) for o in outs])
             else:
-                engine.heartbeat()
+                with track("idle heartbeat"):
+                    engine.heartbeat()
             metrics.on_engine(engine)
     except BaseException as exc:
         bridge.fail_all(f"the engine stopped: {type(exc).__name__}: {exc}")
@@ -154,60 +168,31 @@ def _observe(metrics: ServerMetrics, outs: list[RequestOutput]) -> None:
 
 
 # ---- the FastAPI app ---------------------------------------------------------------------
-def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str, tokenizer,
-               max_model_len: int, api_key: str | None = None, info: dict | None = None) -> FastAPI:
-    """``info``: what the server runs (backend, TP, layout, fusion...), shown in /v1/models;
-    the caller may fill it in after the model has loaded."""
+def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str, pool: PreprocessPool,
+               max_model_len: int, max_body_bytes: int, api_key: str | None = None,
+               info: dict | None = None) -> FastAPI:
+    """``pool`` prepares requests (``preprocess_pool``); bodies over ``max_body_bytes`` get 413.
+    ``info``: what the server runs (backend, TP, layout, fusion...), shown in /v1/models;
+    the caller may fill it in after the model has loaded. Serve it with ``HttpServer``, whose
+    ``ClientWatch`` tells the handlers when a client hangs up."""
     info = {} if info is None else info
     app = FastAPI(title="glm_fused", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app, metrics.on_error)
 
-    def error_response(err: P.ApiError) -> JSONResponse:
-        metrics.on_error(err.status)
-        return JSONResponse(err.body(), status_code=err.status)
+    async def require_api_key(request: Request) -> None:
+        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
 
-    @app.exception_handler(P.ApiError)
-    async def _api_error(_request: Request, err: P.ApiError):
-        return error_response(err)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, err: RequestValidationError):
-        first = err.errors()[0] if err.errors() else {}
-        # pydantic adds the union member it tried ("str", "list[int]", "function-after[...]")
-        # to the location; keep the field path only.
-        loc = [str(p) for p in first.get("loc", ()) if p != "body" and str(p) not in _TYPE_NAMES
-               and "[" not in str(p)]
-        param = ".".join(loc) or None
-        message = first.get("msg", "invalid request")
-        return error_response(P.ApiError(400, f"{param or 'request'}: {message}", param=param))
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error_response(P.ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
-                                                 code="invalid_api_key"))
-        return await call_next(request)
+    v1 = [Depends(require_api_key)]
 
     def engine_or_503() -> LLMEngine:
         if bridge.failed:
-            raise P.ApiError(503, bridge.failed)
+            raise ApiError(503, bridge.failed)
         if bridge.stop_requested:
-            raise P.ApiError(503, "the server is shutting down")
+            raise ApiError(503, "the server is shutting down")
         if bridge.engine is None:
-            raise P.ApiError(503, "the model is still loading; retry when GET /health answers 200")
+            raise ApiError(503, "the model is still loading; retry when GET /health answers 200")
         return bridge.engine
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise P.ApiError(404, f"The model `{name}` does not exist; this server serves `{model_name}`",
-                             param="model", code="model_not_found")
-
-    def check_fits(engine: LLMEngine, ids: list[int], params: SamplingParams, param: str,
-                   max_tokens_given: bool) -> None:
-        try:
-            engine.check_prompt(ids, params, param=param, max_tokens_given=max_tokens_given)
-        except InvalidParam as exc:
-            raise P.ApiError(400, str(exc), param=exc.param, code=exc.code) from None
 
     # ---- plain endpoints -------------------------------------------------------------------
     @app.get("/health")
@@ -217,7 +202,7 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
         status = bridge.failed or ("stopping" if bridge.stop_requested else "loading")
         return JSONResponse({"status": status}, status_code=503)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=v1)
     async def models():
         card = P.model_card(model_name, max_model_len)
         if info:
@@ -229,83 +214,83 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     # ---- generation --------------------------------------------------------------------------
-    @app.post("/v1/completions")
-    async def completions(req: P.CompletionRequest, raw: Request):
-        engine = engine_or_503()
-        check_model(req.model)
-        req.check()
-        prompt = req.single_prompt()
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise P.ApiError(400, "this server has no tokenizer (dummy weights from a bare config): "
-                                      "send prompt as a list of token ids", param="prompt")
-            ids = tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            ids = [int(t) for t in prompt]
-        params = req.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
-        check_fits(engine, ids, params, "prompt", req.max_tokens is not None)
-        if req.max_tokens is None:
-            params.max_tokens = min(params.max_tokens, max_model_len - len(ids))
-        check_text_features(params)
-        rid = P.new_id("cmpl")
-        show_ids = req.return_token_ids or tokenizer is None
-        results = bridge.submit(rid, ids, params)
-        if req.stream:
-            return sse(completion_stream(rid, results, len(ids), req.include_usage, show_ids), rid)
-        text, token_ids, reason = await collect(rid, results, raw)
-        return P.completion_response(rid, model_name, text, reason, len(ids), len(token_ids),
-                                     token_ids if show_ids else None)
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(raw: Request):
+        return await generate(raw, "completion")
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: P.ChatCompletionRequest, raw: Request):
-        engine = engine_or_503()
-        check_model(req.model)
-        req.check()
-        if tokenizer is None or not tokenizer.has_chat_template:
-            raise P.ApiError(400, "this server has no tokenizer with a chat template; use /v1/completions",
-                             param="messages")
-        extra = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "enable_thinking"}
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(raw: Request):
+        return await generate(raw, "chat")
+
+    async def generate(raw: Request, kind: str):
+        engine_or_503()
+        gone = client_gone(raw.scope)
+        body = await read_body(raw)
+        prep = await unless_gone(pool.prepare(kind, body), gone)
+        del body
+        engine_or_503()  # it may have stopped meanwhile
+        rid = P.new_id("cmpl" if kind == "completion" else "chatcmpl")
+        results = bridge.submit(rid, prep.prompt_ids, prep.params)
+        watcher = report_hang_up(gone, results)
+        n_prompt = len(prep.prompt_ids)
+        if prep.stream:
+            if kind == "completion":
+                events = completion_stream(rid, results, n_prompt, prep.include_usage, prep.return_token_ids)
+            else:
+                events = chat_stream(rid, results, n_prompt, prep.include_usage)
+            return sse(events, rid, watcher)
         try:
-            text = tokenizer.apply_chat_template(req.message_dicts(), add_generation_prompt=True,
-                                                 enable_thinking=req.enable_thinking, **extra)
-        except UserError as exc:
-            raise P.ApiError(400, str(exc), param="messages") from None
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        params = req.sampling_params(max(1, max_model_len - len(ids)))
-        check_fits(engine, ids, params, "messages", req.max_tokens is not None)
-        rid = P.new_id("chatcmpl")
-        results = bridge.submit(rid, ids, params)
-        if req.stream:
-            return sse(chat_stream(rid, results, len(ids), req.include_usage), rid)
-        text, token_ids, reason = await collect(rid, results, raw)
-        return P.chat_response(rid, model_name, text, reason, len(ids), len(token_ids))
+            text, token_ids, reason = await collect(rid, results)
+        finally:
+            watcher.cancel()
+        if kind == "completion":
+            return P.completion_response(rid, model_name, text, reason, n_prompt, len(token_ids),
+                                         token_ids if prep.return_token_ids else None)
+        return P.chat_response(rid, model_name, text, reason, n_prompt, len(token_ids))
 
-    def check_text_features(params: SamplingParams) -> None:
-        if tokenizer is None and params.stop:
-            raise P.ApiError(400, "stop strings need a tokenizer; this server has none (use stop_token_ids)",
-                             param="stop")
+    async def read_body(raw: Request) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed the limit (from
+        Content-Length before reading, else while reading). uvicorn reads and drops what the
+        client still sends, so it gets the 413 rather than a reset connection.
+
+        By hand rather than FastAPI's ``max_body_size``: that needs fastapi >= 0.164 (starlette
+        >= 1.6), and it turns any answer that starts before the body is read (a 401, a 404)
+        into a plain-text 413, outside OpenAI's error shape."""
+        declared = raw.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            raise body_too_large(f"{int(declared)} bytes")
+        chunks, size = [], 0
+        try:
+            async for chunk in raw.stream():
+                size += len(chunk)
+                if size > max_body_bytes:
+                    raise body_too_large(f"over {max_body_bytes} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ApiError(499, "client closed the request") from None
+        return b"".join(chunks)
+
+    def body_too_large(size: str) -> ApiError:
+        return ApiError(413, f"the request body ({size}) exceeds this server's limit of {max_body_bytes} bytes "
+                             f"(--max-request-body-bytes)", code="request_too_large")
 
     # ---- waiting for results -----------------------------------------------------------------
     async def next_output(results: asyncio.Queue) -> RequestOutput:
         item = await results.get()
+        if isinstance(item, ClientGone):
+            raise ApiError(499, "client closed the request")
+        if isinstance(item, EngineFailed):
+            raise ApiError(500, str(item))
         if isinstance(item, Exception):
             raise item
         return item
 
-    async def collect(rid: str, results: asyncio.Queue, raw: Request) -> tuple[str, list[int], str]:
-        """A non-streamed request's whole output; aborts it if the client goes away."""
+    async def collect(rid: str, results: asyncio.Queue) -> tuple[str, list[int], str]:
+        """A non-streamed request's whole output (aborted when its client hangs up)."""
         pieces, token_ids = [], []
         try:
             while True:
-                try:
-                    out = await asyncio.wait_for(next_output(results), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await raw.is_disconnected():
-                        bridge.abort(rid)
-                        raise P.ApiError(499, "client closed the request") from None
-                    continue
-                except EngineFailed as exc:
-                    raise P.ApiError(500, str(exc)) from None
+                out = await next_output(results)
                 pieces.append(out.text_delta)
                 token_ids.extend(out.new_token_ids)
                 if out.finished:
@@ -313,27 +298,27 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
         finally:
             bridge.abort(rid)  # no-op once finished
 
-    def sse(body: AsyncIterator[dict], rid: str) -> StreamingResponse:
+    def sse(body: AsyncIterator[dict], rid: str, watcher: asyncio.Future) -> StreamingResponse:
         async def events():
-            async for item in body:
-                yield f"data: {json.dumps(item, ensure_ascii=False)}\n\n"
-            yield "data: [DONE]\n\n"
+            try:
+                async for item in body:
+                    yield f"data: {json.dumps(item, ensure_ascii=False)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                watcher.cancel()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
     async def outputs(rid: str, results: asyncio.Queue) -> AsyncIterator[RequestOutput | dict]:
-        """A request's outputs; an error event if the engine fails; abort if the client leaves
-        (the stream is cancelled at its await, and the finally runs)."""
+        """A request's outputs; an error event if the engine fails; abort if the client leaves."""
         try:
             while True:
                 try:
                     out = await next_output(results)
-                except EngineFailed as exc:
-                    yield P.error_body(str(exc), "server_error")
-                    return
-                except P.ApiError as exc:
-                    yield exc.body()
+                except ApiError as exc:
+                    if exc.status != 499:
+                        yield exc.body()
                     return
                 yield out
                 if out.finished:
@@ -372,13 +357,42 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
     return app
 
 
+async def unless_gone(awaitable, gone: asyncio.Event | None):
+    """``await awaitable``, or a 499 (and the awaitable cancelled) once the client hangs up."""
+    task = asyncio.ensure_future(awaitable)
+    if gone is None:
+        return await task
+    waiter = asyncio.ensure_future(gone.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise ApiError(499, "client closed the request")
+
+
+def report_hang_up(gone: asyncio.Event | None, results: asyncio.Queue) -> asyncio.Future:
+    """Put ``ClientGone`` in ``results`` when the client hangs up; cancel the returned
+    future once the request is over."""
+    if gone is None:
+        future = asyncio.get_running_loop().create_future()
+        return future
+    waiter = asyncio.ensure_future(gone.wait())
+    waiter.add_done_callback(lambda w: None if w.cancelled() else results.put_nowait(ClientGone()))
+    return waiter
+
+
 # ---- uvicorn in a thread -------------------------------------------------------------------
 class HttpServer:
-    """uvicorn on a background thread (signals stay with the main thread, which owns the model)."""
+    """uvicorn on a background thread (signals stay with the main thread, which owns the model),
+    serving the app behind ``ClientWatch``."""
 
     def __init__(self, app: FastAPI, host: str, port: int):
         self.host, self.port = host, port
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+        self.watch = ClientWatch(app)
+        config = uvicorn.Config(self.watch, host=host, port=port, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=2, lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="http", daemon=True)
@@ -390,6 +404,16 @@ class HttpServer:
             if not self.thread.is_alive() or time.monotonic() > end:
                 raise UserError(f"--host {self.host} --port {self.port}: cannot listen there "
                                 f"(address in use, or not an address of this machine)")
+            time.sleep(0.02)
+
+    def drain(self, min_s: float = 0.0, max_s: float = 2.0) -> None:
+        """Keep answering (``/health``: 503) until no POST is in flight: at least ``min_s``,
+        at most ``max_s``. The engine has ended every request by then; this lets the last
+        answers and stream endings out before the connections close."""
+        start = time.monotonic()
+        while time.monotonic() - start < max_s:
+            if self.watch.open_posts == 0 and time.monotonic() - start >= min_s:
+                return
             time.sleep(0.02)
 
     def stop(self, timeout: float = 3.0) -> None:

@@ -87,7 +87,8 @@ class ServerMetrics:
     def __init__(self):
         self.lock = threading.Lock()
         self.requests = Counter("requests_total", "Finished requests, by finish reason.")
-        self.errors = Counter("request_errors_total", "Requests refused before running, by HTTP status.")
+        self.errors = Counter("request_errors_total",
+                              "Requests answered with an error, by HTTP status (499: the client hung up first).")
         self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens of admitted requests.")
         self.generation_tokens = Counter("generation_tokens_total", "Generated tokens.")
         self.ttft = Histogram("time_to_first_token_seconds", "Arrival to first generated token.")

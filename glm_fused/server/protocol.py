@@ -1,8 +1,11 @@
-"""OpenAI-compatible request models, response builders and the OpenAI error shape.
+"""OpenAI-compatible request models and response builders.
 
-Requests are validated with pydantic; responses are plain dicts in OpenAI's layout (the
-official client reads them as-is). Unknown extra fields are accepted and ignored, as
-OpenAI does; fields this server cannot honour are refused with 400 naming the field.
+Requests are validated with pydantic in strict mode: a JSON string or boolean is never
+taken for a number (``max_tokens: "10"``, ``stream: "yes"``, ``prompt: [true]`` are refused),
+while an integer is accepted where a float is expected. Responses are plain dicts in OpenAI's
+layout (the official client reads them as-is). Unknown extra fields are accepted and
+ignored, as vLLM does; fields this server cannot honour are refused with 400 naming the field.
+Requests are validated in the preprocessing workers (``glm_fused.server.preprocess``).
 """
 
 from __future__ import annotations
@@ -14,35 +17,27 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from glm_fused.engine.sampling import InvalidParam, SamplingParams
+from glm_fused.server.errors import ApiError
 
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error",
-                             404: "invalid_request_error", 413: "invalid_request_error",
-                             503: "service_unavailable"}.get(status, "server_error")
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+# Variables the server itself gives the chat template; a request may not set them through
+# chat_template_kwargs (tools would slip past the refusal of tool calling, messages would
+# replace the conversation, add_generation_prompt would end the prompt differently).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template",
+    "tokenize", "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception", "strftime_now"})
+MAX_STOP_CHARS = 1024  # per stop string: each generated token is matched against every one
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Fields both endpoints share (OpenAI names; top_k, seed, ignore_eos as vLLM has them)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -70,6 +65,10 @@ class _Common(BaseModel):
             raise ApiError(400, "frequency_penalty is not supported (use 0)", param="frequency_penalty")
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+        for i, s in enumerate([self.stop] if isinstance(self.stop, str) else self.stop or []):
+            if len(s) > MAX_STOP_CHARS:
+                raise ApiError(400, f"stop strings are limited to {MAX_STOP_CHARS} characters; this one has {len(s)}",
+                               param="stop" if isinstance(self.stop, str) else f"stop.{i}")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         self._refuse_unsupported()
@@ -117,7 +116,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "observation"]
     content: Optional[Union[str, list[dict[str, Any]]]] = None
@@ -144,18 +143,43 @@ class ChatCompletionRequest(_Common):
             raise ApiError(400, "only response_format type 'text' is supported", param="response_format")
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list):
-                for part in m.content:
+                for j, part in enumerate(m.content):
                     if part.get("type") != "text":
                         raise ApiError(400, f"content part of type {part.get('type')!r}: only text is supported",
-                                       param=f"messages.{i}.content")
+                                       param=f"messages.{i}.content.{j}.type")
+                    if not isinstance(part.get("text"), str):
+                        raise ApiError(400, "a text content part needs a string `text`",
+                                       param=f"messages.{i}.content.{j}.text")
+        kwargs = self.chat_template_kwargs or {}
+        for key in kwargs:
+            if key in RESERVED_TEMPLATE_KWARGS:
+                what = "tool calling is not supported by this server" if key in ("tools", "documents") else \
+                    "the server sets this template variable itself"
+                raise ApiError(400, f"chat_template_kwargs.{key}: {what}", param=f"chat_template_kwargs.{key}")
+        if not isinstance(kwargs.get("enable_thinking", True), bool):
+            raise ApiError(400, "chat_template_kwargs.enable_thinking must be true or false",
+                           param="chat_template_kwargs.enable_thinking")
+
+    def text_chars(self) -> int:
+        """Characters of text in the messages (a lower bound of the rendered prompt's)."""
+        total = 0
+        for m in self.messages:
+            if isinstance(m.content, str):
+                total += len(m.content)
+            elif m.content:
+                total += sum(len(part["text"]) for part in m.content)
+        return total
 
     def message_dicts(self) -> list[dict]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
     @property
     def enable_thinking(self) -> bool:
-        kwargs = self.chat_template_kwargs or {}
-        return bool(kwargs.get("enable_thinking", True))
+        return (self.chat_template_kwargs or {}).get("enable_thinking", True)
+
+    def template_kwargs(self) -> dict:
+        """Extra template variables (checked by ``check``), enable_thinking aside."""
+        return {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "enable_thinking"}
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import numpy as np
@@ -19,14 +20,17 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed() -> tuple[int, int]:
-    """Join the global process group from the launcher's environment; a no-op at world size 1."""
+def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
+    """Join the global process group from the launcher's environment; a no-op at world size 1.
+    ``timeout_s``: how long any collective may wait for a peer (None: torch's default)."""
     rank, world = rank_and_world()
     if world > 1 and not dist.is_initialized():
         dev = device()
         backend = dist_backend()
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         kwargs = {"device_id": dev} if backend == "nccl" else {}
+        if timeout_s is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world, **kwargs)
         from glm_fused.launcher import at_rank_end
 
