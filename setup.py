@@ -19,6 +19,7 @@ setup(
         "tqdm>=4.60",
         "fastapi>=0.110",
         "uvicorn>=0.27",
+        "prometheus_client>=0.20",
     ],
     extras_require={
         # torch is pinned: an unpinned torch pulls a CUDA build of several GB on CPU machines.

@@ -85,7 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     setup_logging()
     t0 = time.monotonic()
-    bridge, metrics, info = EngineBridge(), ServerMetrics(), {}
+    bridge, metrics, info = EngineBridge(), ServerMetrics(args.served_model_name), {}
     tokenizer = load_tokenizer(args)
     app = create_app(bridge, metrics, model_name=args.served_model_name, tokenizer=tokenizer,
                      max_model_len=args.max_model_len, api_key=args.api_key, info=info)
