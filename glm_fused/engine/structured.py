@@ -195,7 +195,7 @@ class StructuredOutputs:
         xgr = _xgr()
         from transformers import PreTrainedTokenizerFast  # xgrammar depends on transformers
 
-        backend = tokenizer._tok
+        backend = tokenizer.backend
         stops = sorted(int(t) for t in stop_token_ids)
         if not stops:
             raise UserError("structured output needs the tokenizer's end-of-answer token ids")
