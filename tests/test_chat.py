@@ -164,7 +164,11 @@ def test_streamed_answer_of_every_piece_length_adds_up_to_the_message():
     for size in range(1, len(ANSWER) + 1):
         parser = ChatOutputParser(THINKING_ON, reasoning=True, tools=TOOLS, make_id=ids())
         reasoning, content, calls = "", "", {}
-        deltas = [parser.feed(ANSWER[i:i + size]) for i in range(0, len(ANSWER), size)] + [parser.finish()]
+        pieces = [ANSWER[i:i + size] for i in range(0, len(ANSWER), size)]
+        if size % 2:  # the last piece says it is the last
+            deltas = [parser.feed(p) for p in pieces[:-1]] + [parser.feed(pieces[-1], final=True)]
+        else:
+            deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
         for delta in deltas:
             assert set(delta) <= {"reasoning_content", "content", "tool_calls"}
             reasoning += delta.get("reasoning_content", "")

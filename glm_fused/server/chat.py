@@ -158,21 +158,16 @@ class ChatOutputParser:
         self._tools = Glm45ToolParser(tools, make_id) if tools is not None else None
         self._plain = ""  # content when there is no tool parser
 
-    def feed(self, text: str) -> dict:
-        """The OpenAI chat delta fields this text adds (``{}`` when it shows nothing yet)."""
-        return self._step(text, final=False)
-
-    def finish(self) -> dict:
-        return self._step("", final=True)
-
-    def _step(self, text: str, final: bool) -> dict:
+    def feed(self, text: str, final: bool = False) -> dict:
+        """The OpenAI chat delta fields this text adds (``{}`` when it shows nothing yet).
+        ``final``: the answer ends with this text (``feed`` then ``finish`` in one delta)."""
         delta: dict[str, Any] = {}
         content = text
         if self._reasoning is not None:
-            part = self._reasoning.finish() if final else self._reasoning.feed(text)
-            if part.reasoning:
-                delta["reasoning_content"] = part.reasoning
-            content = part.content
+            parts = ([self._reasoning.feed(text)] if text else []) + ([self._reasoning.finish()] if final else [])
+            if reasoning := "".join(p.reasoning for p in parts):
+                delta["reasoning_content"] = reasoning
+            content = "".join(p.content for p in parts)
         if self._tools is not None:
             parts = ([self._tools.feed(content)] if content else []) + ([self._tools.finish()] if final else [])
             for part in parts:
@@ -188,6 +183,10 @@ class ChatOutputParser:
             self._plain += content
             delta["content"] = content
         return delta
+
+    def finish(self) -> dict:
+        """The end of the answer: whatever was held back (a possible tag's beginning)."""
+        return self.feed("", final=True)
 
     @property
     def tools_called(self) -> bool:
@@ -207,7 +206,7 @@ class ChatOutputParser:
             if calls:
                 msg["tool_calls"] = [c.to_openai() for c in calls]
         else:  # without parsers the text is the content, as it is
-            msg["content"] = self._plain or None if self._reasoning is not None else self._plain
+            msg["content"] = (self._plain or None) if self._reasoning is not None else self._plain
         if self._reasoning is not None:
             msg["reasoning_content"] = self._reasoning.result()[0]
         return msg
