@@ -20,13 +20,17 @@ setup(
         "fastapi>=0.110",
         "pydantic>=2.5",  # strict request validation (server/protocol.py)
         "uvicorn>=0.27",
+        "prometheus_client>=0.20",
     ],
     extras_require={
         # torch is pinned: an unpinned torch pulls a CUDA build of several GB on CPU machines.
         "torch": ["torch==2.13.0"],
+        # xgrammar: structured output (response_format json_*, forced tool_choice); it needs
+        # torch, pinned here for the same reason.
+        "structured": ["xgrammar>=0.2.9", "torch==2.13.0"],
         # triton: its CPU interpreter runs the GPU kernels in the tests (tests/test_triton_kernels.py).
         "test": ["pytest>=8", "pytest-timeout>=2.3", "torch==2.13.0", "transformers>=5.0", "triton==3.6.0",
-                 "openai>=1.30", "httpx>=0.27"],
+                 "openai>=1.30", "httpx>=0.27", "xgrammar>=0.2.9", "jsonschema>=4.0"],
         "gpu": ["flashinfer-python>=0.7", "triton>=3.4"],
     },
     data_files=[("share/glm_fused/configs", [str(p) for p in sorted(Path("configs").glob("*.json"))])],

@@ -145,6 +145,11 @@ class Tokenizer:
     # ------------------------------------------------------------------ tokens
 
     @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` underneath (for libraries that read the vocabulary)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         """Tokens the tokenizer can produce, added tokens included (<= the model's vocab)."""
         return self._tok.get_vocab_size(with_added_tokens=True)

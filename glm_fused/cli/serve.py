@@ -142,7 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     setup_logging()
     t0 = time.monotonic()
-    bridge, metrics, info = EngineBridge(), ServerMetrics(), {}
+    bridge, metrics, info = EngineBridge(), ServerMetrics(args.served_model_name), {}
     tokenizer = load_tokenizer(args)
     pool = PreprocessPool({"model_name": args.served_model_name, "max_model_len": args.max_model_len,
                            "vocab_size": Glm4MoeConfig.from_json_file(args.config_path).vocab_size,

@@ -1,152 +1,150 @@
-"""Server metrics in the Prometheus text format (no client library needed).
+"""Server metrics for Prometheus, through ``prometheus_client`` (names, types and escaping of
+label values are its business: a fallback reason holding quotes or newlines is a valid label).
 
-Updated by the engine thread, rendered by the HTTP thread: one lock guards all of them.
+Names follow vLLM's under this project's prefix (``vllm:num_requests_running`` ->
+``glm_fused:num_requests_running``), every series labelled ``model_name``:
+
+* ``num_requests_running`` / ``num_requests_waiting`` / ``kv_cache_usage_perc`` (gauges;
+  KV usage = slots in use / ``--max-num-seqs``: a sequence takes a whole slot when admitted);
+* ``prompt_tokens_total``, ``generation_tokens_total``, ``request_success_total{finished_reason}``;
+* histograms ``time_to_first_token_seconds``, ``request_time_per_output_token_seconds``
+  (per request: (last token - first token) / (tokens - 1)), ``e2e_request_latency_seconds``;
+* this server's own: ``request_errors_total{status}`` (refused before running),
+  ``engine_steps_total``, ``engine_step_tokens_total``, ``engine_forward_seconds_total``,
+  and rank 0's all-reduces: ``fused_allreduce_calls_total{impl}`` (fused with residual-add +
+  RMSNorm, by implementation), ``plain_allreduce_calls_total`` (zero in the fused layout),
+  ``fused_allreduce_fallbacks_total{reason}`` (calls that fell back to the reference).
+
+Request events arrive from the engine thread; ``render`` runs on the HTTP thread. The
+engine's running totals are copied by ``on_engine`` and read at scrape time.
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
 
-PREFIX = "glm_fused_"
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+PREFIX = "glm_fused:"
+# What /metrics answers with (the exposition format prometheus_client writes).
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 # Latency buckets in seconds: CPU toy models and GPU decode steps both land inside.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = LATENCY_BUCKETS[LATENCY_BUCKETS.index(0.25):] + (160.0, 320.0, 640.0, 1280.0, 2560.0)
 
 
-def _labels(key: tuple[tuple[str, str], ...]) -> str:
-    if not key:
-        return ""
-    return "{" + ",".join(f'{k}="{v}"' for k, v in key) + "}"
+class _EngineTotals:
+    """The engine's running totals, as counters read at scrape time (they are copied, not
+    incremented, so a custom collector rather than ``Counter`` objects)."""
 
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.lock = threading.Lock()
+        self.steps = self.step_tokens = 0
+        self.forward_seconds = 0.0
+        self.fused_by_impl: dict[str, int] = {}
+        self.plain = 0
+        self.fallbacks: dict[str, int] = {}
 
-def _num(value: float) -> str:
-    return repr(float(value)) if isinstance(value, float) else str(value)
-
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help: str):
-        self.name, self.help = PREFIX + name, help
-        self.values: dict[tuple, float] = {}
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def inc(self, amount: float = 1, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        self.values[key] = self.values.get(key, 0) + amount
-
-    def lines(self) -> list[str]:
-        values = self.values or {(): 0}
-        return self.header() + [f"{self.name}{_labels(k)} {_num(v)}" for k, v in sorted(values.items())]
-
-
-class Gauge(_Metric):
-    kind = "gauge"
-
-    def set(self, value: float) -> None:
-        self.values[()] = value
-
-    def lines(self) -> list[str]:
-        return self.header() + [f"{self.name} {_num(self.values.get((), 0))}"]
-
-
-class Histogram(_Metric):
-    kind = "histogram"
-
-    def __init__(self, name: str, help: str, buckets=LATENCY_BUCKETS):
-        super().__init__(name, help)
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # last: above every bucket
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def lines(self) -> list[str]:
-        out, running = self.header(), 0
-        for bound, n in zip(self.buckets, self.counts):
-            running += n
-            out.append(f'{self.name}_bucket{{le="{bound}"}} {running}')
-        out.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        out.append(f"{self.name}_sum {_num(self.sum)}")
-        out.append(f"{self.name}_count {self.count}")
-        return out
+    def collect(self):
+        with self.lock:
+            scalars = [("engine_steps", "Model forwards run by the engine.", self.steps),
+                       ("engine_step_tokens", "Tokens fed to the model over all forwards.", self.step_tokens),
+                       ("engine_forward_seconds", "Time in model forwards (rank 0).", self.forward_seconds),
+                       ("plain_allreduce_calls", "Plain all-reduces on rank 0 (zero in the fused layout).",
+                        self.plain)]
+            labelled = [("fused_allreduce_calls", "Fused all-reduce + residual-add + RMSNorm calls on rank 0, "
+                                                  "by implementation.", "impl", dict(self.fused_by_impl)),
+                        ("fused_allreduce_fallbacks", "Fused calls that fell back to the reference "
+                                                      "implementation, by reason.", "reason", dict(self.fallbacks))]
+        for name, doc, value in scalars:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        for name, doc, label, values in labelled:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", label])
+            for key, value in sorted(values.items()):
+                family.add_metric([self.model_name, key], value)
+            yield family
 
 
 class ServerMetrics:
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.requests = Counter("requests_total", "Finished requests, by finish reason.")
-        self.errors = Counter("request_errors_total",
-                              "Requests answered with an error, by HTTP status (499: the client hung up first).")
-        self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens of admitted requests.")
-        self.generation_tokens = Counter("generation_tokens_total", "Generated tokens.")
-        self.ttft = Histogram("time_to_first_token_seconds", "Arrival to first generated token.")
-        self.tpot = Histogram("time_per_output_token_seconds",
-                              "Per request: (last token - first token) / (generated tokens - 1).")
-        self.e2e = Histogram("e2e_request_latency_seconds", "Arrival to finish.")
-        self.running = Gauge("num_requests_running", "Requests holding a KV-cache slot.")
-        self.waiting = Gauge("num_requests_waiting", "Requests queued for a slot.")
-        self.steps = Counter("engine_steps_total", "Model forwards run by the engine.")
-        self.step_tokens = Counter("engine_step_tokens_total", "Tokens fed to the model over all forwards.")
-        self.forward_seconds = Counter("engine_forward_seconds_total", "Time in model forwards (rank 0).")
-        self.fusion = Counter("allreduce_calls_total",
-                              "All-reduces on rank 0, by kind (fused with residual + RMSNorm, or plain) "
-                              "and implementation.")
+    """The server's metrics in a registry of their own (several servers in one process, as in
+    tests, never share series). ``model_name``: the served model name (the label)."""
+
+    def __init__(self, model_name: str = "glm_fused"):
+        # vLLM's choice too: no ``*_created`` timestamp series beside every counter.
+        prometheus_client.disable_created_metrics()
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+
+        def make(kind, name, doc, extra=(), **kwargs):
+            metric = kind(PREFIX + name, doc, labelnames=["model_name", *extra], registry=self.registry, **kwargs)
+            return metric if extra else metric.labels(model_name)
+
+        self.running = make(Gauge, "num_requests_running", "Requests holding a KV-cache slot.")
+        self.waiting = make(Gauge, "num_requests_waiting", "Requests queued for a slot.")
+        self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache slots in use (0 to 1).")
+        self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = make(Counter, "generation_tokens", "Generated tokens.")
+        self._success = make(Counter, "request_success", "Finished requests, by finish reason.",
+                             extra=["finished_reason"])
+        self._errors = make(Counter, "request_errors",
+                            "Requests answered with an error, by HTTP status (499: the client hung up first).",
+                            extra=["status"])
+        self.ttft = make(Histogram, "time_to_first_token_seconds", "Arrival to first generated token.",
+                         buckets=LATENCY_BUCKETS)
+        self.tpot = make(Histogram, "request_time_per_output_token_seconds",
+                         "Per request: (last token - first token) / (generated tokens - 1).",
+                         buckets=LATENCY_BUCKETS)
+        self.e2e = make(Histogram, "e2e_request_latency_seconds", "Arrival to finish.", buckets=E2E_BUCKETS)
+        self._engine = _EngineTotals(model_name)
+        self.registry.register(self._engine)
 
     # ---- updates (engine thread) -----------------------------------------------------------
     def on_admitted(self, prompt_tokens: int) -> None:
-        with self.lock:
-            self.prompt_tokens.inc(prompt_tokens)
+        self.prompt_tokens.inc(prompt_tokens)
 
     def on_tokens(self, n: int) -> None:
-        with self.lock:
-            self.generation_tokens.inc(n)
+        self.generation_tokens.inc(n)
 
     def on_first_token(self, seconds: float) -> None:
-        with self.lock:
-            self.ttft.observe(seconds)
+        self.ttft.observe(seconds)
 
     def on_finished(self, reason: str, e2e: float, tpot: float | None) -> None:
-        with self.lock:
-            self.requests.inc(finish_reason=reason)
-            self.e2e.observe(e2e)
-            if tpot is not None:
-                self.tpot.observe(tpot)
+        self._success.labels(self.model_name, reason).inc()
+        self.e2e.observe(e2e)
+        if tpot is not None:
+            self.tpot.observe(tpot)
 
     def on_error(self, status: int) -> None:
-        with self.lock:
-            self.errors.inc(status=str(status))
+        self._errors.labels(self.model_name, str(status)).inc()
 
     def on_engine(self, engine) -> None:
-        """Copy the engine's gauges and running totals."""
-        with self.lock:
-            self.running.set(engine.num_running)
-            self.waiting.set(engine.num_waiting)
-            self.steps.values[()] = engine.num_steps
-            self.step_tokens.values[()] = engine.num_forward_tokens
-            self.forward_seconds.values[()] = round(engine.forward_seconds, 6)
-            for key, total in engine.fusion_totals.items():
-                kind, _, impl = key.partition(":")
-                labels = {"kind": kind} if not impl else {"kind": kind, "impl": impl}
-                self.fusion.values[tuple(sorted(labels.items()))] = total
+        """Copy the engine's gauges and running totals (``LLMEngine``'s attributes)."""
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        slots = engine.scheduler.max_num_seqs
+        self.kv_usage.set(engine.num_running / slots if slots else 0.0)
+        fused, plain, fallbacks = {}, 0, {}
+        for key, total in engine.fusion_totals.items():
+            kind, _, detail = key.partition(":")
+            if kind == "fused_impl":
+                fused[detail] = total
+            elif kind == "fallback_reasons":
+                fallbacks[detail] = total
+            elif kind == "plain_allreduce_calls":
+                plain = total
+        totals = self._engine
+        with totals.lock:
+            totals.steps, totals.step_tokens = engine.num_steps, engine.num_forward_tokens
+            totals.forward_seconds = engine.forward_seconds
+            totals.fused_by_impl, totals.plain, totals.fallbacks = fused, plain, fallbacks
 
     # ---- exposition (HTTP thread) ----------------------------------------------------------
     def render(self) -> str:
-        with self.lock:
-            lines: list[str] = []
-            for metric in (self.requests, self.errors, self.prompt_tokens, self.generation_tokens, self.ttft,
-                           self.tpot, self.e2e, self.running, self.waiting, self.steps, self.step_tokens,
-                           self.forward_seconds, self.fusion):
-                lines.extend(metric.lines())
-            return "\n".join(lines) + "\n"
+        """The page for ``GET /metrics`` (serve it with ``CONTENT_TYPE``)."""
+        return prometheus_client.generate_latest(self.registry).decode("utf-8")

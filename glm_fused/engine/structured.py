@@ -1,0 +1,291 @@
+"""Structured output, enforced while decoding with xgrammar (the grammar library vLLM and
+SGLang use): an answer that ends with a stop token always parses and follows its schema.
+
+What a request asks for becomes one xgrammar structural tag (``request_format``):
+* ``response_format`` ``json_object`` (any JSON object) or ``json_schema`` (that schema,
+  strictly: no properties beyond the declared ones, as OpenAI's strict mode);
+* ``tool_choice`` ``required`` (one or more calls to the request's tools; exactly one with
+  ``parallel_tool_calls: false``) or a named function (one call to it), in GLM-4.5's call
+  format exactly as its chat template renders calls, each argument following the tool's
+  parameter schema (string arguments as raw text, the others as JSON: what
+  ``glm_fused.server.tool_parser`` reads back);
+* with thinking on, an optional ``<think>...</think>`` block first (free text; the answer
+  cannot stop inside it).
+
+``StructuredOutputs`` (one per server: the tokenizer's vocabulary and a compiler with a
+cache) compiles a tag; each constrained sequence gets a ``GrammarState``, which fills its
+row of the token bitmask before sampling and accepts the sampled token after. The sampler
+applies the bitmask to the logits: ``apply_bitmask_torch`` (xgrammar's kernel, on the
+logits' device) or ``apply_bitmask_numpy`` (the numpy sampler).
+
+xgrammar is an optional dependency (``pip install -e '.[structured]'``; it needs torch):
+without it ``StructuredOutputs`` raises ``UserError`` naming the extra.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+
+from glm_fused.engine.sampling import InvalidParam
+from glm_fused.errors import UserError
+
+# Longest run of whitespace allowed inside JSON: room for pretty-printed nesting, but a weak
+# (or random) model cannot spend its whole budget on spaces.
+JSON_MAX_WHITESPACE = 16
+# A raw string argument must not contain the tags that would end it early when read back.
+_VALUE_EXCLUDES = ["</arg_value>", "</tool_call>"]
+_KEY_PATTERN = r"[A-Za-z_][A-Za-z0-9_.\-]*"
+
+
+def _xgr():
+    try:
+        import xgrammar
+    except ImportError:
+        raise UserError("structured output needs xgrammar: pip install -e '.[structured]'") from None
+    return xgrammar
+
+
+def _st():
+    return _xgr().structural_tag
+
+
+# ---- what a request asks for ---------------------------------------------------------------
+def _string_format(schema: dict):
+    """A raw string argument (the text between ``<arg_value>`` and ``</arg_value>``)."""
+    st = _st()
+    if "const" in schema:
+        return st.ConstStringFormat(value=str(schema["const"]))
+    if isinstance(schema.get("enum"), list):
+        values = [st.ConstStringFormat(value=str(v)) for v in schema["enum"]]
+        return values[0] if len(values) == 1 else st.OrFormat(elements=values)
+    if isinstance(schema.get("pattern"), str):
+        return st.RegexFormat(pattern=schema["pattern"])
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if isinstance(low, int) or isinstance(high, int):
+        # No '<' in a length-bounded value, so it cannot spell a closing tag.
+        return st.RegexFormat(pattern=f"[^<]{{{low or 0},{'' if high is None else high}}}")
+    return st.AnyTextFormat(excludes=_VALUE_EXCLUDES)
+
+
+def _json_safe(schema: Any) -> Any:
+    """The schema with its length-bounded strings made safe for JSON. xgrammar 0.2.9 writes a
+    string with ``minLength``/``maxLength`` (and no pattern) as up to N characters of
+    ``[^"\\\r\n]``, letting through control characters that JSON forbids unescaped (strict
+    parsers then reject the answer); such strings get the same bounds as a pattern without
+    them."""
+    from glm_fused.server.tool_parser import is_string_property
+
+    if isinstance(schema, list):
+        return [_json_safe(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in ("enum", "const", "default", "examples") else _json_safe(v) for k, v in schema.items()}
+    bounded = isinstance(out.get("minLength"), int) or isinstance(out.get("maxLength"), int)
+    if bounded and is_string_property(out) and not any(k in out for k in ("pattern", "format", "enum", "const")):
+        low, high = out.get("minLength", 0), out.get("maxLength")
+        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{"" if high is None else high}}}$'
+    return out
+
+
+def _json_format(schema: Any, **kwargs):
+    return _st().JSONSchemaFormat(json_schema=_json_safe(schema), max_whitespace_cnt=JSON_MAX_WHITESPACE, **kwargs)
+
+
+def _value_format(schema: Any):
+    from glm_fused.server.tool_parser import is_string_property
+
+    st = _st()
+    if isinstance(schema, dict) and is_string_property(schema):
+        return _string_format(schema)
+    return _json_format(schema if isinstance(schema, dict) and schema else True, excludes=_VALUE_EXCLUDES)
+
+
+def _call_format(name: str, parameters: dict, where: str):
+    """One call in GLM-4.5's layout: ``<tool_call>NAME\\n`` then per argument
+    ``<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n``, then ``</tool_call>``; declared
+    properties in their order, the required ones always, extra keys only where
+    ``additionalProperties`` allows them."""
+    st = _st()
+    const = lambda text: st.ConstStringFormat(value=text)  # noqa: E731
+    parts = [const(f"<tool_call>{name}\n")]
+    props = parameters.get("properties") or {}
+    required = set(parameters.get("required") or [])
+    for key, prop in props.items():
+        if not isinstance(key, str) or any(c in key for c in "<>\n"):
+            raise InvalidParam(where, f"{where}: argument name {key!r} cannot be written in GLM's call format")
+        pair = st.SequenceFormat(elements=[const(f"<arg_key>{key}</arg_key>\n<arg_value>"), _value_format(prop),
+                                           const("</arg_value>\n")])
+        parts.append(pair if key in required else st.OptionalFormat(content=pair))
+    extra = parameters.get("additionalProperties")
+    if extra not in (None, False):
+        pair = st.SequenceFormat(elements=[
+            const("<arg_key>"), st.RegexFormat(pattern=_KEY_PATTERN), const("</arg_key>\n<arg_value>"),
+            _value_format(extra if isinstance(extra, dict) else {}), const("</arg_value>\n")])
+        parts.append(st.StarFormat(content=pair))
+    parts.append(const("</tool_call>"))
+    return st.SequenceFormat(elements=parts)
+
+
+def _json_schema(response_format: dict) -> Any:
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+        raise InvalidParam("response_format.json_schema",
+                           "response_format.json_schema must be an object with a JSON schema in 'schema'")
+    schema = spec.get("schema", True)
+    return schema if schema != {} else True
+
+
+def request_format(*, response_format: dict | None = None, tools: list[dict] | None = None,
+                   tool_mode: str = "none", tool_name: str | None = None, parallel_tool_calls: bool = True,
+                   thinking: bool = False):
+    """The xgrammar structural tag for a request, or ``None`` when nothing is enforced.
+
+    ``tool_mode``/``tool_name``: ``glm_fused.server.chat.resolve_tool_choice``'s result;
+    ``thinking``: the answer may open with a think block (the reasoning parser's start
+    state is not ``content``). Raises ``InvalidParam`` naming the field at fault."""
+    st = _st()
+    kind = (response_format or {}).get("type", "text")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise InvalidParam("response_format.type", f"response_format type {kind!r}: expected text, "
+                                                   "json_object or json_schema")
+    forced = tool_mode in ("required", "named")
+    if forced and kind != "text":
+        raise InvalidParam("response_format", f"response_format {kind} cannot be combined with tool_choice "
+                                              f"{tool_mode if tool_mode == 'required' else repr(tool_name)}")
+    newline = st.OptionalFormat(content=st.ConstStringFormat(value="\n"))
+    if forced:
+        calls = {}
+        for i, tool in enumerate(tools or []):
+            fn = tool["function"]
+            if tool_mode == "required" or fn["name"] == tool_name:
+                calls[fn["name"]] = _call_format(fn["name"], fn.get("parameters") or {},
+                                                 f"tools.{i}.function.parameters")
+        if not calls:
+            raise InvalidParam("tool_choice", "tool_choice names no tool of this request")
+        one = next(iter(calls.values())) if len(calls) == 1 else st.OrFormat(elements=list(calls.values()))
+        if tool_mode == "required" and parallel_tool_calls:
+            more = st.StarFormat(content=st.SequenceFormat(elements=[st.ConstStringFormat(value="\n"), one]))
+            one = st.SequenceFormat(elements=[one, more])
+        body = st.SequenceFormat(elements=[newline, one])
+    elif kind == "json_object":
+        body = st.SequenceFormat(elements=[newline, _json_format({"type": "object"})])
+    elif kind == "json_schema":
+        body = st.SequenceFormat(elements=[newline, _json_format(_json_schema(response_format))])
+    else:
+        return None
+    if thinking:
+        think = st.TagFormat(begin="<think>", content=st.AnyTextFormat(excludes=["<think>", "</think>"]),
+                             end="</think>")
+        body = st.SequenceFormat(elements=[st.OptionalFormat(content=st.SequenceFormat(elements=[newline, think])),
+                                           body])
+    return st.StructuralTag(format=body)
+
+
+# ---- compiling, and one sequence's state ---------------------------------------------------
+class StructuredOutputs:
+    """The tokenizer's vocabulary as xgrammar sees it, and a caching grammar compiler.
+
+    ``tokenizer``: ``glm_fused.tokenizer.Tokenizer``; ``vocab_size``: the model's (the logits'
+    width, which may exceed the tokenizer's); ``stop_token_ids``: the ids that end an answer
+    (allowed only where the grammar is complete)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], max_threads: int = 2):
+        xgr = _xgr()
+        from transformers import PreTrainedTokenizerFast  # xgrammar depends on transformers
+
+        backend = tokenizer.backend
+        stops = sorted(int(t) for t in stop_token_ids)
+        if not stops:
+            raise UserError("structured output needs the tokenizer's end-of-answer token ids")
+        # xgrammar reads the vocabulary's encoding (byte-level BPE...) from the tokenizer;
+        # the vocabulary itself is written here: special tokens (role markers, [gMASK],
+        # reserved ids) left empty, which xgrammar never allows; by default it would allow
+        # them as text inside strings, where decode() then drops them.
+        detected = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=backend),
+                                                      vocab_size=vocab_size, stop_token_ids=stops)
+        vocab = [""] * vocab_size
+        for token, i in backend.get_vocab(with_added_tokens=True).items():
+            if i < vocab_size and i not in tokenizer.special_ids:
+                vocab[i] = token
+        self.info = xgr.TokenizerInfo.from_vocab_and_metadata(vocab, detected.dump_metadata())
+        self.vocab_size = vocab_size
+        self.stop_token_ids = frozenset(stops)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
+
+    def compile(self, tag, param: str = "response_format"):
+        """A compiled grammar (cached by the compiler); ``InvalidParam`` if xgrammar refuses it."""
+        try:
+            return self.compiler.compile_structural_tag(tag)
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors derive from these
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InvalidParam(param, f"{param}: the schema cannot be enforced: {first}") from None
+
+    def state(self, compiled) -> "GrammarState":
+        return GrammarState(compiled, self.vocab_size)
+
+    def allocate_bitmask(self, batch_size: int) -> np.ndarray:
+        """Rows for ``GrammarState.fill`` (int32, 32 tokens per word, bit set = allowed)."""
+        return np.full((batch_size, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
+
+
+class GrammarState:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, compiled, vocab_size: int):
+        self._matcher = _xgr().GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+
+    def fill(self, bitmask, row: int = 0) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (numpy or a CPU torch tensor)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def allowed(self) -> np.ndarray:
+        """The allowed next tokens as a bool vector (for tests and the numpy sampler)."""
+        row = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
+        self.fill(row)
+        return bitmask_to_bool(row[0], self.vocab_size)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by the sampled token; False if the grammar does not allow it."""
+        return bool(self._matcher.accept_token(int(token_id)))
+
+    @property
+    def completed(self) -> bool:
+        """The text so far is a complete answer (a stop token may come now)."""
+        return bool(self._matcher.is_completed())
+
+    @property
+    def terminated(self) -> bool:
+        """A stop token was accepted: nothing more may follow."""
+        return bool(self._matcher.is_terminated())
+
+
+# ---- applying the mask ----------------------------------------------------------------------
+def bitmask_to_bool(row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """One bitmask row as bools: token ``t`` is bit ``t % 32`` of word ``t // 32``."""
+    words = np.ascontiguousarray(np.asarray(row, dtype=np.int32).astype("<i4", copy=False))
+    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
+
+
+def apply_bitmask_numpy(logits: np.ndarray, row: np.ndarray) -> np.ndarray:
+    """Disallowed tokens' logits to -inf, in place (one row ``[vocab]``); returns ``logits``."""
+    allowed = bitmask_to_bool(row, logits.shape[-1])
+    logits[~allowed] = -np.inf
+    return logits
+
+
+def apply_bitmask_torch(logits, bitmask, rows: list[int] | None = None) -> None:
+    """Disallowed tokens' logits to -inf, in place, on the logits' device (xgrammar's CUDA /
+    Triton kernel on GPU, its CPU code on CPU). ``logits`` ``[batch, vocab]``; ``bitmask``
+    ``[batch, words]`` (numpy or torch, any device); ``rows``: only these rows (the other
+    sequences of the batch are unconstrained)."""
+    import torch
+
+    xgr = _xgr()
+    mask = torch.as_tensor(bitmask)
+    if mask.device != logits.device:
+        mask = mask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1], indices=rows)
+
