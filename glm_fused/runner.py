@@ -21,6 +21,22 @@ from glm_fused.model.loader import dummy_weights, load_weights
 log = logging.getLogger("glm_fused.runner")
 
 
+class StepResult:
+    """What ``execute`` hands back at once: call it for the sampled tokens (numpy, rank 0; None
+    elsewhere), which waits for them; then ``device_seconds`` is the step's forward and LM head
+    as the device ran them (events around them: the bound the engine's step time is held to)."""
+
+    def __init__(self, fetch, marks=None, F=None):
+        self._fetch, self._marks, self._F = fetch, marks, F
+
+    def __call__(self):
+        return self._fetch()
+
+    @property
+    def device_seconds(self) -> float | None:
+        return None if self._marks is None else self._F.elapsed(*self._marks)
+
+
 class ModelRunner:
     """Runs on every rank after ``init_distributed``; every rank gets the same full-vocab logits."""
 
@@ -97,10 +113,12 @@ class ModelRunner:
         F = self.F
         self.comm.stats.reset()
         with F.no_grad():
+            start = F.mark(self.device)
             hidden = self._hidden(batch)
             if not sample:
-                return lambda: None
+                return StepResult(lambda: None)
             logits = self.model.compute_logits(hidden, dst=0)
+            marks = (start, F.mark(self.device))
             if self.comm.rank == 0:
                 tokens = F.sample(logits, sampling)
             else:
@@ -109,9 +127,9 @@ class ModelRunner:
                 tokens = self.comm.broadcast(tokens, src=0)
             self.next_tokens[F.tensor(batch.slots[batch.logits_seq], like=hidden)] = tokens
             if self.comm.rank != 0:
-                return lambda: None
+                return StepResult(lambda: None)
             self._step += 1
-            return F.to_host_async(tokens, self._staging[self._step % len(self._staging)])
+            return StepResult(F.to_host_async(tokens, self._staging[self._step % len(self._staging)]), marks, F)
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Logits ``[len(batch.logits_indices), vocab]`` float32 for this batch, on every rank
@@ -187,7 +205,7 @@ class LogitsRunner:
                                  batch.logits_indices)
         logits = self.forward(batch)
         if not sample:
-            return lambda: None
+            return StepResult(lambda: None)
         tokens = sampling.sample_on_host(logits)
         last.update(zip(batch.slots[batch.logits_seq].tolist(), tokens.tolist()))
-        return lambda: tokens
+        return StepResult(lambda: tokens)

@@ -106,6 +106,10 @@ class LLMEngine:
         self.num_steps = 0
         self.num_forward_tokens = 0
         self.forward_seconds = 0.0
+        # Decode-only steps (every sequence one token): how many, and their forward + LM head as
+        # the device ran them. Their ratio is the time per output token the engine is held to.
+        self.num_decode_steps = 0
+        self.decode_device_seconds = 0.0
         self.fusion_totals: dict[str, int] = {}
 
     # ---- requests ------------------------------------------------------------------------
@@ -176,6 +180,10 @@ class LLMEngine:
         start = time.perf_counter()
         tokens = result()  # waits for that step's tokens only
         self.forward_seconds += time.perf_counter() - start
+        device_seconds = getattr(result, "device_seconds", None)
+        if device_seconds is not None and bool((step.batch.query_lens == 1).all()):
+            self.num_decode_steps += 1
+            self.decode_device_seconds += device_seconds
         outputs, row = [], 0
         now = time.monotonic()
         for seq, sampled in zip(step.seqs, step.sample):

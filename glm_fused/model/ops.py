@@ -205,6 +205,15 @@ class Ops:
         value = self.to_numpy(x)
         return lambda: value
 
+    def mark(self, device):
+        """A point in the device's timeline (``elapsed`` measures between two, once both passed)."""
+        import time
+
+        return time.perf_counter()
+
+    def elapsed(self, start, end) -> float:
+        return end - start
+
     def pinned(self, n: int, dtype: str):
         """A host staging buffer for ``to_host_async`` (None: this framework copies at once)."""
         return None

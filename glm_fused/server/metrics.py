@@ -43,8 +43,8 @@ class _EngineTotals:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.lock = threading.Lock()
-        self.steps = self.step_tokens = 0
-        self.forward_seconds = 0.0
+        self.steps = self.step_tokens = self.decode_steps = 0
+        self.forward_seconds = self.decode_device_seconds = 0.0
         self.fused_by_impl: dict[str, int] = {}
         self.plain = 0
         self.fallbacks: dict[str, int] = {}
@@ -53,7 +53,12 @@ class _EngineTotals:
         with self.lock:
             scalars = [("engine_steps", "Model forwards run by the engine.", self.steps),
                        ("engine_step_tokens", "Tokens fed to the model over all forwards.", self.step_tokens),
-                       ("engine_forward_seconds", "Time in model forwards (rank 0).", self.forward_seconds),
+                       ("engine_forward_seconds", "Time rank 0's engine spent launching forwards and "
+                                                  "waiting for their tokens.", self.forward_seconds),
+                       ("engine_decode_steps", "Steps in which every sequence decoded one token.", self.decode_steps),
+                       ("engine_decode_device_seconds", "Device time of those steps' forward and LM head "
+                                                        "(the bound of the time per output token).",
+                        self.decode_device_seconds),
                        ("plain_allreduce_calls", "Plain all-reduces on rank 0 (zero in the fused layout).",
                         self.plain)]
             labelled = [("fused_allreduce_calls", "Fused all-reduce + residual-add + RMSNorm calls on rank 0, "
@@ -142,6 +147,7 @@ class ServerMetrics:
         with totals.lock:
             totals.steps, totals.step_tokens = engine.num_steps, engine.num_forward_tokens
             totals.forward_seconds = engine.forward_seconds
+            totals.decode_steps, totals.decode_device_seconds = engine.num_decode_steps, engine.decode_device_seconds
             totals.fused_by_impl, totals.plain, totals.fallbacks = fused, plain, fallbacks
 
     # ---- exposition (HTTP thread) ----------------------------------------------------------

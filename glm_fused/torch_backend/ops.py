@@ -287,6 +287,19 @@ class TorchOps(Ops):
 
         return result
 
+    def mark(self, device):
+        if torch.device(device).type != "cuda":
+            return super().mark(device)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed(self, start, end) -> float:
+        if isinstance(start, torch.cuda.Event):
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return super().elapsed(start, end)
+
     def pinned(self, n: int, dtype: str):
         """A page-locked host buffer (fast, asynchronous device-to-host copies)."""
         return torch.empty(n, dtype=DTYPES[dtype], pin_memory=torch.cuda.is_available())
