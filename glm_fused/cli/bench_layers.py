@@ -393,8 +393,9 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
     pe = rotary(hf_x, position_ids) if rotary is not None else None
     hit = {}
 
-    def record(_module, _inputs, output):
-        hit["n"] = int(torch.unique(output[1]).numel())
+    def record(gate, _inputs, logits):  # the router gives logits; its choice is OPS.route's
+        _, ids = OPS.route(logits, gate.e_score_correction_bias, gate.routing)
+        hit["n"] = int(torch.unique(ids).numel())
 
     handle = ours.mlp.gate.register_forward_hook(record) if kind == "moe" else None
     with torch.inference_mode(), triton_kernels(False):
