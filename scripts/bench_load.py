@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from glm_fused.cli.bench_load import main  # noqa: E402
+from bench.bench_load import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,7 +15,7 @@ import math
 import pytest
 
 from glm_fused.fused_op import policy as fusion
-from glm_fused.cli import bench_fusion as bf
+from bench import bench_fusion as bf
 from glm_fused.errors import UserError
 
 MiB = 1 << 20

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from glm_fused.cli import gpu_check
+from bench import gpu_check
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from glm_fused.cli import gpu_check
+from bench import gpu_check
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -59,7 +59,7 @@ def test_tp4_on_one_gpu_is_served_by_the_kernel(args):
 
 @pytest.mark.timeout(600)
 def test_bench_layers_runs_and_layers_agree(cuda, tmp_path):
-    from glm_fused.cli import bench_layers
+    from bench import bench_layers
 
     out = bench_layers.run(bench_layers.parse_args(
         ["--prefill", "512", "--decode-batches", "1,8", "--context", "256", "--iters", "3", "--warmup", "1",

@@ -593,7 +593,7 @@ def test_generate_with_dummy_weights_and_no_tokenizer(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_bench_serve_reports_side_by_side(fake_server, tmp_path, capsys):
-    from glm_fused.cli import bench_serve
+    from bench import bench_serve
 
     url, _ = fake_server
     out = tmp_path / "bench.json"

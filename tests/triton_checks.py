@@ -192,7 +192,7 @@ def check_model(device, dtype, qk_norm=False, seed=4):
     from pathlib import Path
 
     from glm_fused.batch import ForwardBatch
-    from glm_fused.cli.bench_layers import fill_random
+    from bench.bench_layers import fill_random
     from glm_fused.config import Glm4MoeConfig
     from glm_fused.torch_backend import Glm4MoeForCausalLM, kernels
 

@@ -56,7 +56,7 @@ DEFAULT_ENV = {"FLASHINFER_USE_CUDA_NORM": "1"}
 
 SECTIONS = ("check", "timing", "model")
 MIB = 1 << 20
-REL_TOL = 1e-2        # the kernel check's pass mark, as glm_fused/cli/gpu_check.py
+REL_TOL = 1e-2        # the kernel check's pass mark, as bench/gpu_check.py
 NCCL_REF_TOL = 1e-5   # fp32 NCCL sum vs the same sum done locally: order of additions only
 EPS = 1e-5            # GLM-4.5's rms_norm_eps
 DTYPE_BYTES = 2       # bf16: the caps are byte sizes of a bf16 [tokens, hidden] input
@@ -93,7 +93,7 @@ VARIANT_TITLES = {
 def resolve_tokens(spec: list, tp: int, max_tokens: int) -> list[int]:
     """Token counts for one TP size: ints and ``tp-1`` / ``tp`` / ``tp+1``, deduplicated,
     sorted, within ``1..max_tokens``."""
-    from glm_fused.cli.gpu_check import token_counts
+    from bench.gpu_check import token_counts
 
     return token_counts(tp, max_tokens, spec)
 
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     if args.device == "gpu":
-        from glm_fused.cli.gpu_check import environment
+        from bench.gpu_check import environment
 
         meta = environment()  # imports torch, asks nvidia-smi and nvcc
     else:
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             payload = dict(vars(args), tp_size=tp, result_file=str(Path(tmp) / f"tp{tp}.json"))
             print(f"== tp {tp}", flush=True)
             t0 = time.monotonic()
-            code = launch("glm_fused.cli.bench_fusion:worker", payload, nprocs=tp, device=args.device,
+            code = launch("bench.bench_fusion:worker", payload, nprocs=tp, device=args.device,
                           timeout=timeout)
             res = _read_json(Path(payload["result_file"])) or {}
             res["exit_code"], res["seconds"] = code, round(time.monotonic() - t0, 1)
@@ -795,7 +795,7 @@ def _make_kernel(ctx: _Rank):
     """The fused op of this rank: FlashInfer's kernel on GPU, the reference stand-in on CPU."""
     ns, torch = ctx.ns, ctx.torch
     if ns.stand_in:
-        from glm_fused.cli.gpu_check import StandInKernel
+        from bench.gpu_check import StandInKernel
 
         return StandInKernel(tp_rank=ctx.rank, tp_size=ctx.world, max_num_tokens=ns.workspace_tokens,
                               hidden_size=ns.hidden, group=None)
@@ -816,7 +816,7 @@ def _make_kernel(ctx: _Rank):
 def run_check(ctx: _Rank, kernel) -> dict:
     """Each token count: fused (one-shot, two-shot, adapter's choice in place) and the model's
     unfused bf16 path, against fp32 NCCL all-reduce + add + RMSNorm."""
-    from glm_fused.cli.gpu_check import digest, ref_fused, rel_error
+    from bench.gpu_check import digest, ref_fused, rel_error
     from glm_fused.fused_op import policy as fusion
     from glm_fused.fused_op import fused_allreduce_residual_rmsnorm
     from glm_fused.torch_backend import OPS

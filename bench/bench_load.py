@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     with tempfile.TemporaryDirectory() as out:
         try:
-            status = launch("glm_fused.cli.bench_load:worker",
+            status = launch("bench.bench_load:worker",
                             {"dir": str(ckpt), "backend": args.backend, "out_dir": out,
                              "launched_at": time.time()}, nprocs=args.tp)
         except UserError as exc:

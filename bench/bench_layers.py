@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "glm-4.5-air.json"
 IMPLS = ("ours", "ours-eager", "ours-unfused", "ours-v0", "hf-eager", "hf-grouped_mm")
 # What each of the project's variants runs: (fused layout, Triton kernels, CUDA graph for decode).

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from glm_fused.cli.bench_layers import (DEFAULT_CONFIG, _ints, copy_bandwidth, graphed, load_config, matmul_rate,
+from bench.bench_layers import (DEFAULT_CONFIG, _ints, copy_bandwidth, graphed, load_config, matmul_rate,
                                        time_ms)
 
 # (block_m, block_n, block_k, group_m, warps, stages). Small sizes: one config for both GEMMs.

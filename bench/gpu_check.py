@@ -542,7 +542,7 @@ def run_policy(args) -> dict:
 
 
 # ---------------------------------------------------------------------------- model (real sizes)
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 AIR_CONFIG = REPO / "configs" / "glm-4.5-air.json"
 TINY_CONFIG = REPO / "configs" / "glm-4.5-air-tiny.json"
 # bf16 pass rule of the model section (ours and transformers both in bf16, judged against
@@ -589,7 +589,7 @@ def _random_hf_model(config, device, seed: int):
     import torch
     import transformers
 
-    from glm_fused.cli.bench_layers import hf_config
+    from bench.bench_layers import hf_config
 
     cfg = hf_config(config)
     torch.manual_seed(seed)
@@ -649,7 +649,7 @@ def ensure_checkpoint(args, device) -> tuple[Path, dict]:
     """The random real-size checkpoint of the model section; made here if no complete one exists."""
     import torch
 
-    from glm_fused.cli.bench_layers import load_config
+    from bench.bench_layers import load_config
 
     ckpt = _checkpoint_dir(args)
     ckpt.parent.mkdir(parents=True, exist_ok=True)
@@ -696,7 +696,7 @@ def run_model(args) -> dict:
     import torch
 
     from glm_fused.batch import ForwardBatch
-    from glm_fused.cli.bench_layers import load_config
+    from bench.bench_layers import load_config
     from glm_fused.config import Glm4MoeConfig
 
     timings = {}
@@ -831,7 +831,7 @@ def run_tp4(args) -> dict:
             return {"status": "skip", "summary": reason}
     import numpy as np
 
-    from glm_fused.cli.bench_layers import load_config
+    from bench.bench_layers import load_config
 
     t0 = time.perf_counter()
     ckpt, made = ensure_checkpoint(args, device)
@@ -899,7 +899,7 @@ def run_bench(args) -> dict:
     device = _section_device(args)
     if device is None:
         return {"status": "skip", "summary": "no CUDA device (--dry-run runs it small on the CPU)"}
-    from glm_fused.cli import bench_layers
+    from bench import bench_layers
 
     extra = shlex.split(args.bench_args or "")
     if device.type != "cuda":
