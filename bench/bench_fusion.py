@@ -33,26 +33,22 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench.common import (CUDA_NORM_ENV, NO_MULTICAST_ENV, BenchRank, environment, int_list, launch_ranks,
+                          load_config, md_table, name_list, token_counts, token_list, write_json, write_text)
+from bench.reference import StandInKernel, add_rms_norm_ref, allreduce_add_rms_norm_ref, digest, rel_error
 from glm_fused.errors import UserError
+from glm_fused.fused_op import KERNEL_TP_SIZES
 
-# Forced, not defaulted: a user's NCCL_NVLS_ENABLE=1 must not reach a shared host's GPUs.
-NO_MULTICAST_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
-# The CUDA norm kernels (the CuTe-DSL ones need nvidia-cutlass-dsl, which is not installed).
-DEFAULT_ENV = {"FLASHINFER_USE_CUDA_NORM": "1"}
+# NO_MULTICAST_ENV is forced, not defaulted: a user's NCCL_NVLS_ENABLE=1 must not reach a
+# shared host's GPUs. CUDA_NORM_ENV is a default.
 
 SECTIONS = ("check", "timing", "model")
 MIB = 1 << 20
@@ -89,14 +85,6 @@ VARIANT_TITLES = {
 # ======================================================================================
 # Framework-free: crossover, caps, formatting (unit-tested on synthetic timings)
 # ======================================================================================
-
-def resolve_tokens(spec: list, tp: int, max_tokens: int) -> list[int]:
-    """Token counts for one TP size: ints and ``tp-1`` / ``tp`` / ``tp+1``, deduplicated,
-    sorted, within ``1..max_tokens``."""
-    from bench.gpu_check import token_counts
-
-    return token_counts(tp, max_tokens, spec)
-
 
 def best_time(row: dict, keys) -> tuple[float | None, str | None]:
     """The fastest of ``row[k]`` (microseconds) over ``keys`` that were measured."""
@@ -232,14 +220,6 @@ def caps_from_timing(per_tp: dict[int, dict], sm: int | None, hidden: int, *, co
     }
 
 
-def md_table(header: list[str], rows: list[list]) -> str:
-    """A Markdown table (pastes into docs/ as it is)."""
-    lines = ["| " + " | ".join(str(h) for h in header) + " |",
-             "| " + " | ".join("---" for _ in header) + " |"]
-    lines += ["| " + " | ".join("" if c is None else str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def _e(v) -> str:
     return "-" if v is None else f"{v:.1e}"
 
@@ -256,28 +236,13 @@ def _ms(v) -> str:
 # Parent process: flags, one launch per TP size, tables, JSON
 # ======================================================================================
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _token_list(text: str) -> list:
-    items = [x.strip() for x in str(text).split(",") if x.strip()]
-    try:
-        return [x if x in ("tp-1", "tp", "tp+1") else int(x) for x in items]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers or tp-1/tp/tp+1, got {text!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench_fusion.py", description=__doc__.split("\n\n")[0],
         epilog="Exit status: 0 all passed, 1 a check/parity failed or a TP job did not finish, 2 usage error.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("run")
-    g.add_argument("--tp", type=_int_list, default=[2, 4, 8],
+    g.add_argument("--tp", type=int_list, default=[2, 4, 8],
                    help="TP sizes; each one the visible GPUs allow runs as its own job (default 2,4,8)")
     g.add_argument("--only", default=",".join(SECTIONS),
                    help=f"sections, comma-separated (default {','.join(SECTIONS)})")
@@ -292,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--time-budget", type=float, default=None,
                    help="seconds for the whole run; later TP jobs get what is left")
     g = p.add_argument_group("kernel check and timing")
-    g.add_argument("--tokens", type=_token_list, default=None,
+    g.add_argument("--tokens", type=token_list, default=None,
                    help=f"token counts (default {GPU_DEFAULTS['tokens']})")
     g.add_argument("--hidden", type=int, default=None, help="hidden size (default 4096)")
     g.add_argument("--workspace-tokens", type=int, default=None, help="fused workspace tokens (default 2048)")
@@ -313,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of the free GPU memory auto layers may fill (default 0.9)")
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="model dtype (default bfloat16)")
-    g.add_argument("--batches", type=_int_list, default=None, help="decode batch sizes (default 1,8,32,64)")
+    g.add_argument("--batches", type=int_list, default=None, help="decode batch sizes (default 1,8,32,64)")
     g.add_argument("--prefill-tokens", type=int, default=None, help="prefill length timed (default 2048)")
     g.add_argument("--decode-context", type=int, default=None, help="prompt tokens per decoding sequence (default 32)")
     g.add_argument("--decode-steps", type=int, default=None, help="timed decode steps per batch size (default 10)")
@@ -343,19 +308,11 @@ def prepare(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if isinstance(args.tokens, str):
-        args.tokens = _token_list(args.tokens)
+        args.tokens = token_list(args.tokens)
     if isinstance(args.batches, str):
-        args.batches = _int_list(args.batches)
-    only = [s.strip() for s in str(args.only).split(",") if s.strip()]
-    bad = [s for s in only if s not in SECTIONS]
-    if bad or not only:
-        raise UserError(f"--only {args.only}: choose from {', '.join(SECTIONS)}")
-    args.only = only
-    variants = [v.strip() for v in str(args.model_variants).split(",") if v.strip()]
-    bad = [v for v in variants if v not in MODEL_VARIANTS]
-    if bad or not variants:
-        raise UserError(f"--model-variants {args.model_variants}: choose from {', '.join(MODEL_VARIANTS)}")
-    args.model_variants = variants
+        args.batches = int_list(args.batches)
+    args.only = name_list(args.only, SECTIONS, "--only")
+    args.model_variants = name_list(args.model_variants, MODEL_VARIANTS, "--model-variants")
     for flag in ("hidden", "workspace_tokens", "replays", "calls_per_replay", "prefill_tokens", "decode_context",
                  "decode_steps", "prefill_reps", "parity_tokens"):
         if int(getattr(args, flag)) < 1:
@@ -403,8 +360,8 @@ def prepare(args: argparse.Namespace) -> argparse.Namespace:
         problem = _tp_problem(args.config_path, tp) if args.config_path and tp > 1 else None
         if tp < 2:
             skipped[tp] = "the fused all-reduce needs TP >= 2"
-        elif tp not in (2, 4, 8, 16):
-            skipped[tp] = "not a TP size the TRT-LLM kernel is built for (2, 4, 8, 16)"
+        elif tp not in KERNEL_TP_SIZES:
+            skipped[tp] = f"not a TP size the TRT-LLM kernel is built for {KERNEL_TP_SIZES}"
         elif args.device == "gpu" and tp > args.gpus and not args.shared_gpu:
             skipped[tp] = f"needs {tp} GPUs, {args.gpus} visible (--shared-gpu runs it for correctness only)"
         elif problem:
@@ -450,13 +407,11 @@ def _visible_gpus() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from glm_fused.launcher import launch
-
     parser = build_parser()
     args = parser.parse_args(argv)
     for key, value in NO_MULTICAST_ENV.items():
         os.environ[key] = value  # ranks inherit this environment
-    for key, value in DEFAULT_ENV.items():
+    for key, value in CUDA_NORM_ENV.items():
         os.environ.setdefault(key, value)
     try:
         prepare(args)
@@ -464,8 +419,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     if args.device == "gpu":
-        from bench.gpu_check import environment
-
         meta = environment()  # imports torch, asks nvidia-smi and nvcc
     else:
         import platform
@@ -475,33 +428,31 @@ def main(argv: list[str] | None = None) -> int:
     meta.update(argv=list(sys.argv[1:] if argv is None else argv), dry_run=args.dry_run, device=args.device,
                 stand_in_kernel=args.stand_in, gpus=args.gpus, hidden=args.hidden,
                 workspace_tokens=args.workspace_tokens, skipped_tps=args.skipped_tps,
-                env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, *DEFAULT_ENV, "FLASHINFER_DISABLE_JIT")})
+                env={k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, *CUDA_NORM_ENV, "FLASHINFER_DISABLE_JIT")})
     banner = "DRY RUN: CPU ranks, reference standing in for the kernel, timings meaningless. " if args.stand_in else ""
     print(f"bench_fusion: {banner}TP {', '.join(map(str, args.run_tps))} on {args.device}"
           + (f" ({args.gpus} GPUs)" if args.device == "gpu" else "")
           + "".join(f"; tp {tp} skipped: {why}" for tp, why in args.skipped_tps.items()), flush=True)
 
     results, started = {}, time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="glm_fused_bench_") as tmp:
-        for tp in args.run_tps:
-            timeout = args.timeout
-            if args.time_budget is not None:
-                left = args.time_budget - (time.monotonic() - started)
-                if left < 30:
-                    results[tp] = {"status": "skipped", "error": "--time-budget spent"}
-                    continue
-                timeout = min(timeout, left)
-            payload = dict(vars(args), tp_size=tp, result_file=str(Path(tmp) / f"tp{tp}.json"))
-            print(f"== tp {tp}", flush=True)
-            t0 = time.monotonic()
-            code = launch("bench.bench_fusion:worker", payload, nprocs=tp, device=args.device,
-                          timeout=timeout)
-            res = _read_json(Path(payload["result_file"])) or {}
-            res["exit_code"], res["seconds"] = code, round(time.monotonic() - t0, 1)
-            res["status"] = "done" if code == 0 else ("timeout" if code == 124 else "failed")
-            results[tp] = res
-            if args.out:  # after every job: a run cut short by its host keeps what it measured
-                _write_report(Path(args.out), build_report(args, meta, results))
+    for tp in args.run_tps:
+        timeout = args.timeout
+        if args.time_budget is not None:
+            left = args.time_budget - (time.monotonic() - started)
+            if left < 30:
+                results[tp] = {"status": "skipped", "error": "--time-budget spent"}
+                continue
+            timeout = min(timeout, left)
+        print(f"== tp {tp}", flush=True)
+        t0 = time.monotonic()
+        code, reports = launch_ranks("bench.bench_fusion:worker", dict(vars(args), tp_size=tp), nprocs=tp,
+                                     device=args.device, timeout=timeout)
+        res = reports.get(0, {})  # rank 0 reports the job
+        res["exit_code"], res["seconds"] = code, round(time.monotonic() - t0, 1)
+        res["status"] = "done" if code == 0 else ("timeout" if code == 124 else "failed")
+        results[tp] = res
+        if args.out:  # after every job: a run cut short by its host keeps what it measured
+            _write_report(Path(args.out), build_report(args, meta, results))
     report = build_report(args, meta, results)
     text = render_report(report)
     print(text, flush=True)
@@ -512,19 +463,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_report(out: Path, report: dict, text: str | None = None) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    for name, content in (("bench_fusion.json", json.dumps(report, indent=1, default=str)),
-                          ("bench_fusion.md", (text or render_report(report)) + "\n")):
-        tmp = out / f".{name}.partial"
-        tmp.write_text(content)
-        os.replace(tmp, out / name)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
+    write_json(out / "bench_fusion.json", report)
+    write_text(out / "bench_fusion.md", (text or render_report(report)) + "\n")
 
 
 def build_report(args, meta: dict, results: dict[int, dict]) -> dict:
@@ -537,7 +477,7 @@ def build_report(args, meta: dict, results: dict[int, dict]) -> dict:
     gpu = meta.get("gpu") or "CPU"
     where = f"{args.gpus}x {gpu}" if args.device == "gpu" else "CPU dry run"
     timing = {tp: r["timing"] for tp, r in results.items() if r.get("timing")}
-    code_caps = {tp: fusion.size_cap_tokens(sm, tp, hidden, DTYPE_BYTES) for tp in (2, 4, 8, 16)}
+    code_caps = {tp: fusion.size_cap_tokens(sm, tp, hidden, DTYPE_BYTES) for tp in KERNEL_TP_SIZES}
     code_caps = {tp: t for tp, t in code_caps.items() if t > 0}
     caps = None
     if timing and not args.stand_in:
@@ -689,72 +629,25 @@ def _crossover_line(tp: int, cross: dict, per: dict) -> str:
 # Every rank
 # ======================================================================================
 
-class _Rank:
-    """One rank's job: the process group, the device, rank 0's incremental result file."""
-
-    def __init__(self, ns):
-        bad = {k: os.environ.get(k) for k, v in NO_MULTICAST_ENV.items() if os.environ.get(k) != v}
-        if bad:  # the parent sets these; a rank without them must not touch the GPUs
-            raise RuntimeError(f"NVLink multicast not switched off in this rank: {bad}")
-        import torch
-
-        from glm_fused.torch_backend import dist as tdist
-
-        self.ns, self.torch = ns, torch
-        self.rank, self.world = tdist.init_distributed()
-        if self.world != ns.tp_size:
-            raise RuntimeError(f"launched {self.world} ranks for tp {ns.tp_size}")
-        self.device = tdist.device()
-        self.on_gpu = self.device.type == "cuda"
-        self.shares_gpu = tdist.shares_gpu()
-        self.tdist = tdist
-        self.result: dict = {"tp": self.world, "device": str(self.device), "shared_gpu": self.shares_gpu,
-                             "dist_backend": tdist.dist_backend(),
-                             "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV}}
-        if self.on_gpu:
-            major, minor = torch.cuda.get_device_capability(self.device)
-            self.result["sm"] = major * 10 + minor
-            self.result["gpu"] = torch.cuda.get_device_name(self.device)
-
-    def log(self, text: str) -> None:
-        if self.rank == 0:
-            print(f"[tp {self.world}] {text}", flush=True)
-
-    def save(self, section: str, value) -> None:
-        self.result[section] = value
-        if self.rank == 0:
-            path = Path(self.ns.result_file)
-            tmp = path.with_suffix(".partial")
-            tmp.write_text(json.dumps(self.result, default=str))
-            os.replace(tmp, path)
-
-    def gather(self, obj) -> list:
-        """Every rank's ``obj``, in rank order (small Python objects)."""
-        import torch.distributed as dist
-
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def agree_min(self, value: int) -> int:
-        import torch.distributed as dist
-
-        t = self.torch.tensor([int(value)], dtype=self.torch.int64,
-                              device=self.device if self.tdist.dist_backend() == "nccl" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t.item())
-
-    def barrier(self) -> None:
-        self.tdist.barrier()
-
-    def sync(self) -> None:
-        if self.on_gpu:
-            self.torch.cuda.synchronize(self.device)
+def _join(ns) -> BenchRank:
+    """This rank in its process group, with what the report says about it."""
+    bad = {k: os.environ.get(k) for k, v in NO_MULTICAST_ENV.items() if os.environ.get(k) != v}
+    if bad:  # the parent sets these; a rank without them must not touch the GPUs
+        raise RuntimeError(f"NVLink multicast not switched off in this rank: {bad}")
+    ctx = BenchRank(ns)
+    if ctx.world != ns.tp_size:
+        raise RuntimeError(f"launched {ctx.world} ranks for tp {ns.tp_size}")
+    ctx.report.update(tp=ctx.world, device=str(ctx.device), shared_gpu=ctx.shares_gpu, dist_backend=ctx.dist_backend,
+                      env={k: os.environ.get(k) for k in NO_MULTICAST_ENV})
+    if ctx.on_gpu:
+        major, minor = ctx.torch.cuda.get_device_capability(ctx.device)
+        ctx.report.update(sm=major * 10 + minor, gpu=ctx.torch.cuda.get_device_name(ctx.device))
+    return ctx
 
 
 def worker(args: dict) -> None:
     ns = argparse.Namespace(**args)
-    ctx = _Rank(ns)
+    ctx = _join(ns)
     kernel = None
     try:
         if "check" in ns.only or "timing" in ns.only:
@@ -763,18 +656,18 @@ def worker(args: dict) -> None:
             t0 = time.perf_counter()
             res = run_check(ctx, kernel)
             res["seconds"] = round(time.perf_counter() - t0, 1)
-            ctx.save("check", res)
+            ctx.save(check=res)
             ctx.log(f"check: {'pass' if res['passed'] else 'FAIL'} ({len(res['rows'])} token counts, "
                     f"{res['seconds']} s)")
         if "timing" in ns.only:
             if ctx.shares_gpu:
-                ctx.save("timing_skipped", "ranks share a GPU: timing needs one GPU per rank")
+                ctx.save(timing_skipped="ranks share a GPU: timing needs one GPU per rank")
                 ctx.log("timing: skipped (ranks share a GPU)")
             else:
                 t0 = time.perf_counter()
                 res = run_timing(ctx, kernel)
                 res["seconds"] = round(time.perf_counter() - t0, 1)
-                ctx.save("timing", res)
+                ctx.save(timing=res)
                 ctx.log(f"timing: {len(res['rows'])} token counts ({res['seconds']} s)")
     finally:
         if kernel is not None:
@@ -786,49 +679,42 @@ def worker(args: dict) -> None:
         t0 = time.perf_counter()
         res = run_model(ctx)
         res["seconds"] = round(time.perf_counter() - t0, 1)
-        ctx.save("model", res)
+        ctx.save(model=res)
         ctx.log(f"model: {res['num_layers']} layers ({res['seconds']} s)")
     ctx.barrier()
 
 
-def _make_kernel(ctx: _Rank):
+def _make_kernel(ctx: BenchRank):
     """The fused op of this rank: FlashInfer's kernel on GPU, the reference stand-in on CPU."""
-    ns, torch = ctx.ns, ctx.torch
+    ns, torch = ctx.args, ctx.torch
     if ns.stand_in:
-        from bench.gpu_check import StandInKernel
-
         return StandInKernel(tp_rank=ctx.rank, tp_size=ctx.world, max_num_tokens=ns.workspace_tokens,
-                              hidden_size=ns.hidden, group=None)
+                             hidden_size=ns.hidden)
+    from glm_fused.fused_op import CommBackend
     from glm_fused.fused_op import flashinfer as fa
 
-    comm = ctx.tdist.TPComm(ctx.rank, ctx.world)
-    try:
+    try:  # the exchange through the TP group's comm backend, as the runner makes it
         return fa.FlashInferAllReduceFusion(
             tp_rank=ctx.rank, tp_size=ctx.world, max_num_tokens=ns.workspace_tokens, hidden_size=ns.hidden,
-            dtype=torch.bfloat16, device=ctx.device, group=comm.flashinfer_comm_backend(),
-            shared_gpu=ctx.shares_gpu)
+            dtype=torch.bfloat16, device=ctx.device, group=CommBackend(ctx.comm), shared_gpu=ctx.shares_gpu)
     except fa.FusionUnavailable as exc:
         raise UserError(f"FlashInfer's fused all-reduce is unavailable on this machine: {exc}") from None
 
 
 # ---- (a) correctness ------------------------------------------------------------------
 
-def run_check(ctx: _Rank, kernel) -> dict:
+def run_check(ctx: BenchRank, kernel) -> dict:
     """Each token count: fused (one-shot, two-shot, adapter's choice in place) and the model's
     unfused bf16 path, against fp32 NCCL all-reduce + add + RMSNorm."""
-    from bench.gpu_check import digest, ref_fused, rel_error
     from glm_fused.fused_op import policy as fusion
     from glm_fused.fused_op import fused_allreduce_residual_rmsnorm
     from glm_fused.torch_backend import OPS
 
-    import torch.distributed as dist
-
-    ns, torch, tp, rank = ctx.ns, ctx.torch, ctx.world, ctx.rank
+    ns, torch, tp, rank = ctx.args, ctx.torch, ctx.world, ctx.rank
     dev, hidden = ctx.device, ns.hidden
-    reference_comm = ctx.tdist.TPComm(rank, tp)  # kernel_env None: always the reference path
-    coll_dev = dev if ctx.tdist.dist_backend() == "nccl" else torch.device("cpu")
+    reference_comm = ctx.comm  # kernel_env None: always the reference path
     rows, check = [], 0
-    for n in resolve_tokens(ns.tokens, tp, ns.workspace_tokens):
+    for n in token_counts(tp, ns.workspace_tokens, ns.tokens):
         modes = ["oneshot"] + (["twoshot"] if n > tp else []) + ["auto-inplace"]
         worst = {"tokens": n, "modes": modes, "normed_rel": 0.0, "residual_rel": 0.0, "nan": False,
                  "digests": [], "nccl_vs_local": 0.0}
@@ -841,11 +727,8 @@ def run_check(ctx: _Rank, kernel) -> dict:
             residual = torch.randn(n, hidden, generator=g, device=dev).to(torch.bfloat16)
             weight = (1 + 0.25 * torch.randn(hidden, generator=g, device=dev)).to(torch.bfloat16)
             partial = parts[rank].contiguous()
-            summed = partial.float().to(coll_dev)
-            dist.all_reduce(summed)
-            ref_res = summed.to(dev) + residual.float()
-            ref_norm = ref_res * (ref_res.pow(2).mean(-1, keepdim=True) + EPS).rsqrt() * weight.float()
-            local_norm, local_res = ref_fused(parts.float(), residual, weight, EPS)
+            ref_norm, ref_res = allreduce_add_rms_norm_ref(partial, residual, weight, EPS)
+            local_norm, local_res = add_rms_norm_ref(parts.float().sum(0), residual, weight, EPS)
             worst["nccl_vs_local"] = max(worst["nccl_vs_local"], rel_error(ref_res, local_res))
             if mode == "unfused":
                 got_norm, got_res = fused_allreduce_residual_rmsnorm(partial.clone(), residual, weight, EPS,
@@ -892,9 +775,9 @@ def run_check(ctx: _Rank, kernel) -> dict:
 
 # ---- (b) timing -----------------------------------------------------------------------
 
-def run_timing(ctx: _Rank, kernel) -> dict:
+def run_timing(ctx: BenchRank, kernel) -> dict:
     """Fused vs unfused at each token count; per-variant medians, slowest rank."""
-    ns, torch, tp, rank = ctx.ns, ctx.torch, ctx.world, ctx.rank
+    ns, torch, tp = ctx.args, ctx.torch, ctx.world
     dev, hidden = ctx.device, ns.hidden
     import torch.distributed as dist
 
@@ -909,10 +792,10 @@ def run_timing(ctx: _Rank, kernel) -> dict:
             fi_norm_error = f"{type(exc).__name__}: {exc}"[:200]
         if not ctx.agree_min(fi_norm is not None):  # every rank must time the same collectives
             fi_norm, fi_norm_error = None, fi_norm_error or "flashinfer.norm missing on another rank"
-    reference_comm = ctx.tdist.TPComm(rank, tp)
+    reference_comm = ctx.comm  # kernel_env None: always the reference path
     graphs = ctx.on_gpu and not ns.no_graphs
     rows, notes = [], []
-    for n in resolve_tokens(ns.tokens, tp, ns.workspace_tokens):
+    for n in token_counts(tp, ns.workspace_tokens, ns.tokens):
         g = torch.Generator(device=dev).manual_seed(ns.seed * 31 + n)
         partial = torch.randn(n, hidden, generator=g, device=dev).to(torch.bfloat16)
         residual = torch.randn(n, hidden, generator=g, device=dev).to(torch.bfloat16)
@@ -957,14 +840,14 @@ def run_timing(ctx: _Rank, kernel) -> dict:
             "device": ctx.device.type, "stand_in": bool(ns.stand_in)}
 
 
-def _time_op(ctx: _Rank, fn, *, graphs: bool) -> dict:
+def _time_op(ctx: BenchRank, fn, *, graphs: bool) -> dict:
     """Median microseconds per call of ``fn`` on this rank.
 
     GPU: ``calls_per_replay`` calls captured in one CUDA graph (no launch gaps), replayed
     ``replays`` times between CUDA events. If any rank fails to capture, all time eagerly
     (every rank must run the same collectives). CPU: wall clock around the same loop.
     """
-    ns, torch = ctx.ns, ctx.torch
+    ns, torch = ctx.args, ctx.torch
     calls, replays = ns.calls_per_replay, ns.replays
     if not ctx.on_gpu:
         for _ in range(ns.warmup):
@@ -1026,16 +909,6 @@ def _time_op(ctx: _Rank, fn, *, graphs: bool) -> dict:
 
 # ---- (c) the model --------------------------------------------------------------------
 
-def model_config(ns, num_layers: int):
-    """The config of --model with ``num_hidden_layers`` replaced (checked again)."""
-    from glm_fused.config import Glm4MoeConfig
-
-    raw = Glm4MoeConfig.from_json_file(ns.config_path).to_dict()
-    raw["num_hidden_layers"] = num_layers
-    raw["first_k_dense_replace"] = min(raw["first_k_dense_replace"], num_layers)
-    return Glm4MoeConfig.from_dict(raw, source=f"{ns.config_path} with --num-layers {num_layers}")
-
-
 def layer_budget(config, tp: int, rank: int, *, free_bytes: int, dtype_bytes: int, kv_slots: int, max_len: int,
                  reserve_bytes: int) -> int:
     """How many decoder layers of ``config`` this rank can hold in ``free_bytes`` (weights +
@@ -1064,7 +937,7 @@ def layer_budget(config, tp: int, rank: int, *, free_bytes: int, dtype_bytes: in
     return count
 
 
-def run_model(ctx: _Rank) -> dict:
+def run_model(ctx: BenchRank) -> dict:
     """Unfused and fused layout at the same random weights: parity and step times."""
     import numpy as np
 
@@ -1073,7 +946,7 @@ def run_model(ctx: _Rank) -> dict:
     from glm_fused.engine_args import EngineArgs
     from glm_fused.runner import ModelRunner
 
-    ns, torch, tp, rank = ctx.ns, ctx.torch, ctx.world, ctx.rank
+    ns, torch, tp, rank = ctx.args, ctx.torch, ctx.world, ctx.rank
     warm, steps = ns.model_warmup, ns.decode_steps
     max_seqs = max(ns.batches)
     max_len = max(ns.prefill_tokens, ns.parity_tokens, ns.decode_context + warm + steps)
@@ -1081,7 +954,7 @@ def run_model(ctx: _Rank) -> dict:
     dtype_bytes = 2 if ns.dtype == "bfloat16" else 4
 
     if ns.num_layers == "auto":
-        full = model_config(ns, ns.config_layers)
+        full = load_config(ns.config_path, ns.config_layers)
         if ctx.on_gpu:
             free, _ = torch.cuda.mem_get_info(ctx.device)
             sharing = max(1, tp // max(1, ns.gpus)) if ctx.shares_gpu else 1
@@ -1099,7 +972,7 @@ def run_model(ctx: _Rank) -> dict:
                             f"of this GPU at TP {tp}")
     else:
         layers = ns.num_layers
-    config = model_config(ns, layers)
+    config = load_config(ns.config_path, layers)
     ctx.log(f"model: {ns.model}, {layers} of {ns.config_layers} layers, {ns.dtype}, "
             f"variants {', '.join(ns.model_variants)}")
 
@@ -1212,7 +1085,7 @@ def compare_layouts(unfused: dict, fused: dict, titles: dict[str, str], *, toler
     return {"rows": rows, "tolerance": {"max_rel_diff": tolerance, "min_top1": min_top1}, "passed": passed}
 
 
-def _step_times(ctx: _Rank, times_ms: list[float], stats: dict) -> dict:
+def _step_times(ctx: BenchRank, times_ms: list[float], stats: dict) -> dict:
     """This rank's median, and the slowest rank's (ranks wait for each other every step)."""
     median = statistics.median(times_ms) if times_ms else None
     per_rank = ctx.gather(median)

@@ -30,16 +30,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO / "configs" / "glm-4.5-air.json"
+from bench.common import (AIR_CONFIG, copy_bandwidth, graphed, int_list, load_config, matmul_rate, name_list,
+                          text_table, time_ms, torch_device, write_json)
+from glm_fused.errors import UserError
+
 IMPLS = ("ours", "ours-eager", "ours-unfused", "ours-v0", "hf-eager", "hf-grouped_mm")
 # What each of the project's variants runs: (fused layout, Triton kernels, CUDA graph for decode).
 #   ours          the serving path: Triton kernels, decode replayed from a CUDA graph
@@ -53,22 +53,18 @@ HF_EXPERTS = {"hf-eager": "eager", "hf-grouped_mm": "grouped_mm"}
 REFERENCE = "hf-eager"  # every variant's output is compared with this one
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_layers.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+    p.add_argument("--config", type=Path, default=AIR_CONFIG,
                    help="model config.json (default: GLM-4.5-Air's real sizes)")
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--layers", default="moe,dense", help="layer kinds, in order (moe, dense)")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"what to time ({', '.join(IMPLS)})")
     p.add_argument("--prefill", type=int, default=2048, help="prefill tokens (one sequence; 0 = skip)")
-    p.add_argument("--decode-batches", type=_ints, default=[1, 8, 32, 64], help="decode batch sizes (1,8,32,64)")
-    p.add_argument("--context", type=_ints, default=[512, 256, 4096],
+    p.add_argument("--decode-batches", type=int_list, default=[1, 8, 32, 64], help="decode batch sizes (1,8,32,64)")
+    p.add_argument("--context", type=int_list, default=[512, 256, 4096],
                    help="cached tokens per sequence in decode: every batch at the first, batch 1 also at "
                         "the others (512,256,4096)")
     p.add_argument("--warmup", type=int, default=3)
@@ -85,71 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    args.layers = [x.strip() for x in args.layers.split(",") if x.strip()]
-    args.impls = [x.strip() for x in args.impls.split(",") if x.strip()]
-    for name, values, allowed in (("--layers", args.layers, ("moe", "dense")), ("--impls", args.impls, IMPLS)):
-        bad = [v for v in values if v not in allowed]
-        if bad:
-            p.error(f"{name}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
+    try:
+        args.layers = name_list(args.layers, ("moe", "dense"), "--layers")
+        args.impls = name_list(args.impls, IMPLS, "--impls")
+    except UserError as exc:
+        p.error(str(exc))
     return args
 
 
-# ---------------------------------------------------------------------------- device basics
-def _device(kind: str):
-    if kind == "gpu":
-        if not torch.cuda.is_available():
-            raise RuntimeError("--device gpu: torch sees no CUDA device")
-        torch.cuda.set_device(0)
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn, device, warmup: int, iters: int) -> float:
-    """Mean wall time of one call, after warm-up; the device is drained before and after."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - t0) / iters * 1e3
-
-
-def copy_bandwidth(device, mib: int, iters: int = 20) -> float:
-    """Bytes per second of ``dst.copy_(src)``, counting the bytes read and the bytes written."""
-    n = mib * 2**20
-    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device, warmup=3, iters=iters)
-    return 2 * n / (ms / 1e3)
-
-
-def matmul_rate(device, n: int, dtype, iters: int = 20) -> float:
-    """FLOP per second of an n x n x n matmul in ``dtype`` (2 FLOP per multiply-add)."""
-    g = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, generator=g, device=device).to(dtype)
-    b = torch.randn(n, n, generator=g, device=device).to(dtype)
-    ms = time_ms(lambda: a @ b, device, warmup=3, iters=iters)
-    return 2 * n ** 3 / (ms / 1e3)
-
-
 # ---------------------------------------------------------------------------- configs
-def load_config(path: Path, num_hidden_layers: int | None = None):
-    """Our config from a config.json, optionally with fewer layers (the rest unchanged)."""
-    from glm_fused.config import Glm4MoeConfig
-
-    config = Glm4MoeConfig.from_json_file(path)
-    if num_hidden_layers is not None:
-        config = dataclasses.replace(config, num_hidden_layers=num_hidden_layers)
-    return config
-
-
 def hf_config(config, **overrides):
     """transformers' Glm4MoeConfig with the same values (transformers-5 form), sdpa attention."""
     import transformers
@@ -324,21 +264,6 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> dict:
             "nan": bool(torch.isnan(out).any())}
 
 
-def graphed(fn, device):
-    """``fn`` captured in a CUDA graph (after one eager call that compiles and warms every
-    kernel); the replay is what a served decode step runs."""
-    fn()
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-
-    def replay():
-        graph.replay()
-        return out
-    return replay
-
-
 @contextlib.contextmanager
 def triton_kernels(on: bool):
     from glm_fused.torch_backend import kernels
@@ -486,7 +411,7 @@ def decode_steps(batches: list[int], contexts: list[int]) -> list[str]:
 # ---------------------------------------------------------------------------- driver
 def run(args) -> dict:
     """Measure the machine, then every (layer, step) case; print the table; return every figure."""
-    device = _device(args.device)
+    device = torch_device(args.device)
     dtype = getattr(torch, args.dtype)
     config = load_config(args.config, num_hidden_layers=max(2, 1 + load_config(args.config).first_k_dense_replace))
     out = {"config": str(args.config), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -536,7 +461,7 @@ def run(args) -> dict:
     print()
     print_table(out)
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+        write_json(args.json, out)
     return out
 
 
@@ -570,11 +495,7 @@ def print_table(out: dict) -> None:
         row += [f"{c['impls'][i]['vs_reference']['max_rel']:.1e}" if "vs_reference" in c["impls"].get(i, {})
                 else "-" for i in impls if i != REFERENCE]
         rows.append(row)
-    rows = [[str(x) for x in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    for r in rows:
-        print("  ".join(x.ljust(w) for x, w in zip(r, widths)))
+    print(text_table(header, rows))
     print(f"floor = max(bytes / {out['copy_bandwidth_GBps']:.0f} GB/s, FLOP / {out['matrix_TFLOPs']:.0f} TFLOP/s); "
           "'ours vs X' = X ms / ours ms (above 1: ours is faster); max rel = max|X - transformers eager| / "
           "max|transformers eager| of the layer's output stream. ours = Triton kernels + CUDA graph (decode), "

@@ -14,12 +14,12 @@ starts ``--tp`` ranks that each build a ModelRunner from it and report:
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from bench.common import BenchRank, launch_ranks
 
 # ~1.7 B parameters: 5 MoE layers of 64 experts dominate, as in the real model.
 FEW_GB = {
@@ -36,12 +36,11 @@ def _peak_rss_bytes() -> int:
 
 def worker(args: dict) -> None:
     t_start = time.time()
-    from glm_fused.backends import get_backend
     from glm_fused.config import Glm4MoeConfig
 
-    backend = get_backend(args["backend"])
-    rank, world = backend.init_distributed()
-    backend.barrier()
+    ctx = BenchRank(args, backend=args["backend"])
+    rank, world = ctx.rank, ctx.world
+    ctx.barrier()
     t_ready = time.time()
     base_rss = _peak_rss_bytes()
     config = Glm4MoeConfig.from_pretrained(args["dir"])
@@ -57,15 +56,12 @@ def worker(args: dict) -> None:
     peak = _peak_rss_bytes()
     shard = sum(int(p.numel()) * 4 for p in runner.model.parameters())  # fp32 parameters
     kv = sum(int(t.numel()) * 4 for pair in runner.kv_caches for t in pair)
-    row = {"rank": rank, "startup_s": t_ready - args["launched_at"], "import_init_s": t_ready - t_start,
-           "load_s": load_s, "baseline_rss": base_rss, "peak_rss": peak, "shard_bytes": shard + kv}
-    Path(args["out_dir"], f"rank{rank}.json").write_text(json.dumps(row))
+    ctx.save(rank=rank, startup_s=t_ready - args["launched_at"], import_init_s=t_ready - t_start, load_s=load_s,
+             baseline_rss=base_rss, peak_rss=peak, shard_bytes=shard + kv)
     runner.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from glm_fused.errors import UserError
-    from glm_fused.launcher import launch
     from glm_fused.tiny import write_tiny_checkpoint
 
     p = argparse.ArgumentParser(prog="bench_load.py", description=__doc__.split("\n\n")[0])
@@ -82,17 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         write_tiny_checkpoint(ckpt, config_overrides=FEW_GB)
         print(f"wrote {ckpt} in {time.perf_counter() - t0:.1f} s")
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-    with tempfile.TemporaryDirectory() as out:
-        try:
-            status = launch("bench.bench_load:worker",
-                            {"dir": str(ckpt), "backend": args.backend, "out_dir": out,
-                             "launched_at": time.time()}, nprocs=args.tp)
-        except UserError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return exc.exit_code
-        if status:
-            return status
-        rows = [json.loads(f.read_text()) for f in sorted(Path(out).glob("rank*.json"))]
+    status, reports = launch_ranks("bench.bench_load:worker", {"dir": str(ckpt), "backend": args.backend,
+                                                                "launched_at": time.time()}, nprocs=args.tp)
+    if status:
+        return status
+    rows = [reports[r] for r in sorted(reports)]
     gib = 2**30
     print(f"checkpoint {size / gib:.2f} GiB on disk (bf16), {args.backend} backend, TP {args.tp}, float32 in memory")
     print(f"{'rank':>4} {'start-up s':>10} {'load s':>7} {'baseline GiB':>12} {'peak GiB':>9} "

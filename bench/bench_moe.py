@@ -14,14 +14,14 @@ configuration per size, ready for ``GATE_UP_CONFIGS`` / ``DOWN_CONFIGS`` in
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-from bench.bench_layers import (DEFAULT_CONFIG, _ints, copy_bandwidth, graphed, load_config, matmul_rate,
-                                       time_ms)
+from bench.common import (AIR_CONFIG, copy_bandwidth, graphed, int_list, load_config, matmul_rate, time_ms,
+                          torch_device, write_json)
+from bench.reference import rel_error
 
 # (block_m, block_n, block_k, group_m, warps, stages). Small sizes: one config for both GEMMs.
 # Large sizes: the gate_up GEMM's candidates with the down GEMM fixed at the first of its
@@ -60,8 +60,7 @@ def run(args) -> dict:
     from glm_fused.torch_backend import LAYERS, OPS
     from glm_fused.torch_backend.kernels import fused_moe as fm
 
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    dev = torch_device("gpu")
     dtype = torch.bfloat16
     c = load_config(args.config)
     E, H, I, k = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
@@ -91,7 +90,7 @@ def run(args) -> dict:
                     if small and name != "loop":
                         fn = graphed(fn, dev)
                     y = fn()
-                    row["max_rel"] = float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+                    row["max_rel"] = rel_error(y, ref.float())
                     row["ms"] = time_ms(fn, dev, 5, 20 if small else 10)
                     row["x_floor"] = row["ms"] / floor_ms
             except Exception as exc:  # a config that does not compile must not hide the others
@@ -129,14 +128,14 @@ def run(args) -> dict:
               f"{r['grouped_mm'].get('ms', float('nan')):13.4f}  {b.get('ms', float('nan')):9.4f} "
               f"({b.get('x_floor', float('nan')):.2f})           {s['best']}")
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+        write_json(args.json, out)
     return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="bench_moe.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    p.add_argument("--tokens", type=_ints, default=[1, 8, 32, 64, 256, 2048])
+    p.add_argument("--config", type=Path, default=AIR_CONFIG)
+    p.add_argument("--tokens", type=int_list, default=[1, 8, 32, 64, 256, 2048])
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

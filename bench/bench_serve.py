@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from bench.common import write_json
 from glm_fused.errors import UserError
 
 
@@ -245,6 +246,5 @@ def main(argv=None) -> int:
               else [_label(r, several) for r in results])
     print(format_table(results, labels))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
+        write_json(args.json, {"args": vars(args), "results": results}, indent=2)
     return 0

@@ -33,26 +33,21 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
-import queue as queue_mod
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-# Before anything imports flashinfer.norm: its CuTe-DSL kernels need nvidia-cutlass-dsl,
-# which is not installed; the CUDA ones are the path this project uses. NVLink multicast
-# stays off on shared machines (it can take a host's GPUs down for others).
-_ENV_DEFAULTS = {
-    "FLASHINFER_USE_CUDA_NORM": "1",
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+from bench.common import (AIR_CONFIG, CUDA_NORM_ENV, NO_MULTICAST_ENV, REPO, TINY_CONFIG, BenchRank, environment,
+                          int_list, launch_ranks, load_config, name_list, read_json, text_table, token_counts,
+                          token_list, write_json)
+from glm_fused.errors import UserError
+from bench.reference import StandInKernel, add_rms_norm_ref, allreduce_add_rms_norm_ref, digest, rel_error
+
+# Set (unless the user set them) before anything imports flashinfer.norm; ranks inherit them.
+_ENV_DEFAULTS = {**CUDA_NORM_ENV, **NO_MULTICAST_ENV}
 
 REL_TOL = 1e-2
 HIDDEN = 4096
@@ -66,73 +61,6 @@ _SM90_CAP_TOKENS_H4096 = {2: 8192, 4: 256, 8: 64}
 def _setdefault_env() -> None:
     for k, v in _ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
-
-
-def token_counts(tp: int, max_tokens: int, tokens=BOUNDARY_TOKENS) -> list[int]:
-    out = set()
-    for t in tokens:
-        n = {"tp-1": tp - 1, "tp": tp, "tp+1": tp + 1}.get(t, t) if isinstance(t, str) else int(t)
-        if 0 < n <= max_tokens:
-            out.add(n)
-    return sorted(out)
-
-
-def rel_error(out, ref) -> float:
-    """max |out - ref| / max |ref|, in fp32."""
-    denom = float(ref.abs().max())
-    return float((out.float() - ref).abs().max()) / (denom if denom > 0 else 1.0)
-
-
-def ref_fused(parts_f32, residual, weight, eps):
-    """fp32 reference: all-reduce by summing, add the residual, RMSNorm, gamma."""
-    res = parts_f32.sum(0) + residual.float()
-    normed = res * (res.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * weight.float()
-    return normed, res
-
-
-def digest(t) -> int:
-    """Order-sensitive checksum of a 16-bit tensor, computed on its device (ranks compare it)."""
-    import torch
-
-    bits = t.contiguous().view(torch.int16).reshape(-1).to(torch.int64)
-    mult = torch.arange(bits.numel(), device=t.device, dtype=torch.int64) % 65521 + 1
-    return int((bits * mult).sum())
-
-
-# ---------------------------------------------------------------------------- environment
-def environment() -> dict:
-    info = {"date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "python": platform.python_version()}
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["torch_cuda"] = torch.version.cuda
-        if torch.cuda.is_available():
-            p = torch.cuda.get_device_properties(0)
-            info["gpu"] = p.name
-            info["sm"] = p.major * 10 + p.minor
-            info["gpu_memory_gib"] = round(p.total_memory / 2**30, 1)
-            info["multiprocessors"] = p.multi_processor_count
-    except Exception as exc:  # report, don't die: the sections say what they need
-        info["torch_error"] = repr(exc)
-    for mod in ("flashinfer", "tvm_ffi"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception as exc:
-            info[mod] = f"not importable ({type(exc).__name__})"
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20).stdout.strip()
-        info["driver"] = out.splitlines()[0] if out else None
-    except Exception:
-        info["driver"] = None
-    try:
-        out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=20).stdout
-        info["nvcc"] = next((ln.strip() for ln in out.splitlines() if "release" in ln), None)
-    except Exception:
-        info["nvcc"] = None
-    return info
 
 
 def _need_kernels() -> str | None:
@@ -219,15 +147,14 @@ def run_norm(args) -> dict:
         try:
             if op == "fused_add_rmsnorm":
                 r = torch.randn(shape, generator=g, device="cuda").to(dtype)
-                ref_res = x.float() + r.float()
-                ref = ref_res * (ref_res.pow(2).mean(-1, keepdim=True) + EPS).rsqrt() * w.float()
+                ref, ref_res = add_rms_norm_ref(x, r, w, EPS)
                 xi, ri = x.clone(), r.clone()
                 fnorm.fused_add_rmsnorm(input=xi, residual=ri, weight=w, eps=EPS)  # in place
                 torch.cuda.synchronize()
                 rec.update(normed_rel=rel_error(xi, ref), residual_rel=rel_error(ri, ref_res),
                            nan=bool(torch.isnan(xi).any() or torch.isnan(ri).any()))
             else:
-                ref = x.float() * (x.float().pow(2).mean(-1, keepdim=True) + EPS).rsqrt() * w.float()
+                ref, _ = add_rms_norm_ref(x, None, w, EPS)
                 out = torch.full_like(x, float("nan"))
                 fnorm.rmsnorm(input=x, weight=w, eps=EPS, out=out)
                 torch.cuda.synchronize()
@@ -249,197 +176,123 @@ def run_norm(args) -> dict:
 
 
 # ---------------------------------------------------------------------------- allreduce
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _reference_allreduce_norm(partial, residual, weight, eps, group):
-    """The fallback path of a rank: fp32 all-reduce through gloo (host), add, RMSNorm."""
-    import torch.distributed as dist
-
-    summed = partial.float().cpu()
-    dist.all_reduce(summed, group=group)
-    res = summed.to(partial.device) + residual.float()
-    normed = res * (res.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * weight.float()
-    return normed.to(partial.dtype), res.to(partial.dtype)
-
-
-class StandInKernel:
-    """--dry-run only: the reference maths behind the adapter's real argument checks, so the
-    harness (ranks, order of checks, poisoning, merging) can be exercised without a GPU."""
-
-    def __init__(self, *, tp_rank, tp_size, max_num_tokens, hidden_size, group):
-        import torch
-
-        self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
-        self.max_num_tokens, self.hidden_size = max_num_tokens, hidden_size
-        self.dtype, self.device, self.sm = torch.bfloat16, torch.device("cpu"), 90
-        self.workspace_bytes = 0
-
-    def __call__(self, partial, residual, weight, eps, *, norm_out=None, residual_out=None, use_oneshot=None):
-        from glm_fused.fused_op.flashinfer import prepare_call
-
-        kw = prepare_call(partial, residual, weight, eps, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                          max_num_tokens=self.max_num_tokens, hidden_size=self.hidden_size,
-                          dtype=self.dtype, device=self.device, workspace_ptrs=None,
-                          launch_with_pdl=False, sm=self.sm, norm_out=norm_out,
-                          residual_out=residual_out, use_oneshot=use_oneshot)
-        normed, res = _reference_allreduce_norm(kw["allreduce_in"], kw["residual_in"], kw["rms_gamma"],
-                                                eps, self.group)
-        kw["residual_out"].copy_(res)
-        kw["norm_out"].copy_(normed)
-        return kw["norm_out"], kw["residual_out"]
-
-    def close(self):
-        pass
-
-
-def _allreduce_worker(rank: int, tp: int, port: int, cfg: dict, results) -> None:
-    """One TP rank: make the workspace, run every check in the same order as its peers."""
-    out = {"rank": rank, "rows": [], "dispatch": [], "error": None}
+def allreduce_worker(cfg: dict) -> None:
+    """One TP rank of ``run_allreduce_tp``: saves its rows, or the error that stopped it."""
+    ctx = BenchRank(cfg)
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        import torch
-        import torch.distributed as dist
-
-        from glm_fused.fused_op import FallbackLog, FusionStats
-        from glm_fused.fused_op import policy as fusion
-        from glm_fused.fused_op import flashinfer as fa
-
-        dry = cfg["dry_run"]
-        dev = "cpu" if dry else "cuda:0"
-        if not dry:
-            torch.cuda.set_device(0)
-        dist.init_process_group("gloo", rank=rank, world_size=tp,
-                                timeout=timedelta(seconds=cfg["timeout"]))
-        group = dist.new_group(list(range(tp)), backend="gloo")  # a TP group, as the runners pass
-        hidden, max_tokens = cfg["hidden"], cfg["max_tokens"]
-        t0 = time.perf_counter()
-        if dry:
-            kernel = StandInKernel(tp_rank=rank, tp_size=tp, max_num_tokens=max_tokens,
-                                    hidden_size=hidden, group=group)
-        else:
-            kernel = fa.FlashInferAllReduceFusion(tp_rank=rank, tp_size=tp, max_num_tokens=max_tokens,
-                                                  hidden_size=hidden, dtype=torch.bfloat16, device=dev,
-                                                  group=group, shared_gpu=True)
-        out["workspace_seconds"] = round(time.perf_counter() - t0, 2)
-        out["workspace_mib"] = round(kernel.workspace_bytes / 2**20)
-        sm = kernel.sm
-
-        def sync():
-            if not dry:
-                torch.cuda.synchronize()
-
-        def inputs(seed: int, n: int):
-            g = torch.Generator(device=dev).manual_seed(seed)
-            parts = torch.randn(tp, n, hidden, generator=g, device=dev).to(torch.bfloat16)
-            residual = torch.randn(n, hidden, generator=g, device=dev).to(torch.bfloat16)
-            weight = (1 + 0.25 * torch.randn(hidden, generator=g, device=dev)).to(torch.bfloat16)
-            return parts, residual, weight
-
-        check = 0
-        for n in cfg["tokens"]:
-            modes = ["oneshot"] + (["twoshot"] if n > tp else []) + ["auto-inplace"]
-            for mode in modes:
-                check += 1
-                parts, residual, weight = inputs(seed=tp * 1_000_003 + check, n=n)  # fresh per check
-                partial = parts[rank].contiguous()
-                norm_out = torch.full_like(partial, float("nan"))
-                if mode == "auto-inplace":
-                    res_buf = residual.clone()
-                    got_norm, got_res = kernel(partial, res_buf, weight, EPS, norm_out=norm_out,
-                                               residual_out=res_buf)
-                    chosen = fusion.use_oneshot(tp, n, hidden, 2, sm=sm)
-                else:
-                    res_out = torch.full_like(partial, float("nan"))
-                    chosen = mode == "oneshot"
-                    got_norm, got_res = kernel(partial, residual, weight, EPS, norm_out=norm_out,
-                                               residual_out=res_out, use_oneshot=chosen)
-                sync()
-                ref_norm, ref_res = ref_fused(parts.float(), residual, weight, EPS)
-                out["rows"].append({
-                    "tokens": n, "mode": mode, "oneshot": chosen,
-                    "normed_rel": rel_error(got_norm, ref_norm), "residual_rel": rel_error(got_res, ref_res),
-                    "nan": bool(torch.isnan(got_norm).any() or torch.isnan(got_res).any()),
-                    "digest": [digest(got_norm), digest(got_res)],
-                })
-                del parts
-
-        # Calls past the workspace or the size cap must take the reference path (choose_impl).
-        if dry:  # pretend Hopper so the caps bite as they would there
-            env = fusion.KernelEnv(device="cuda", sm=90, tp_size=tp, hidden_size=hidden,
-                                   flashinfer_error=None, workspace_max_tokens=max_tokens)
-        else:
-            env = fa.kernel_env(tp_size=tp, hidden_size=hidden, workspace_max_tokens=max_tokens)
-        cap = fusion.size_cap_tokens(env.sm, tp, hidden, 2)
-        stats, log = FusionStats(), FallbackLog()
-        for n in sorted({1, min(cap, max_tokens), cap + 1, max_tokens + 1} - {0}):
-            check += 1
-            parts, residual, weight = inputs(seed=tp * 1_000_003 + check, n=n)
-            partial = parts[rank].contiguous()
-            impl, reason = fusion.choose_impl(env, dtype="bfloat16", num_tokens=n)
-            stats.record(impl, reason)
-            if reason:
-                log.log_once(reason)
-            if impl == "flashinfer":
-                got_norm, got_res = kernel(partial, residual, weight, EPS)
-            else:
-                got_norm, got_res = _reference_allreduce_norm(partial, residual, weight, EPS, group)
-            sync()
-            ref_norm, ref_res = ref_fused(parts.float(), residual, weight, EPS)
-            out["dispatch"].append({"tokens": n, "impl": impl, "reason": reason,
-                                    "normed_rel": rel_error(got_norm, ref_norm),
-                                    "residual_rel": rel_error(got_res, ref_res),
-                                    "nan": bool(torch.isnan(got_norm).any() or torch.isnan(got_res).any())})
-            del parts
-        out["stats"] = stats.as_dict()
-        out["size_cap_tokens"] = cap
-        kernel.close()
-        dist.destroy_process_group()
+        ctx.save(result=_allreduce_checks(ctx, cfg))
     except Exception:
-        out["error"] = traceback.format_exc(limit=8)[-3000:]
-    results.put(out)
+        ctx.save(error=traceback.format_exc(limit=8)[-3000:])
+        raise
+
+
+def _allreduce_checks(ctx: BenchRank, cfg: dict) -> dict:
+    """Make the workspace, run every check in the same order as the peers."""
+    import torch
+
+    from glm_fused.fused_op import CommBackend, FallbackLog, FusionStats
+    from glm_fused.fused_op import policy as fusion
+    from glm_fused.fused_op import flashinfer as fa
+
+    out = {"rows": [], "dispatch": []}
+    dry, tp, rank, dev = cfg["dry_run"], ctx.world, ctx.rank, ctx.device
+    hidden, max_tokens = cfg["hidden"], cfg["max_tokens"]
+    t0 = time.perf_counter()
+    if dry:
+        kernel = StandInKernel(tp_rank=rank, tp_size=tp, max_num_tokens=max_tokens, hidden_size=hidden)
+    else:  # the exchange through the TP group's comm backend, as the runner makes it
+        kernel = fa.FlashInferAllReduceFusion(tp_rank=rank, tp_size=tp, max_num_tokens=max_tokens,
+                                              hidden_size=hidden, dtype=torch.bfloat16, device=dev,
+                                              group=CommBackend(ctx.comm), shared_gpu=ctx.shares_gpu)
+    out["workspace_seconds"] = round(time.perf_counter() - t0, 2)
+    out["workspace_mib"] = round(kernel.workspace_bytes / 2**20)
+    sm = kernel.sm
+
+    def inputs(seed: int, n: int):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        parts = torch.randn(tp, n, hidden, generator=g, device=dev).to(torch.bfloat16)
+        residual = torch.randn(n, hidden, generator=g, device=dev).to(torch.bfloat16)
+        weight = (1 + 0.25 * torch.randn(hidden, generator=g, device=dev)).to(torch.bfloat16)
+        return parts, residual, weight
+
+    check = 0
+    for n in cfg["tokens"]:
+        modes = ["oneshot"] + (["twoshot"] if n > tp else []) + ["auto-inplace"]
+        for mode in modes:
+            check += 1
+            parts, residual, weight = inputs(seed=tp * 1_000_003 + check, n=n)  # fresh per check
+            partial = parts[rank].contiguous()
+            norm_out = torch.full_like(partial, float("nan"))
+            if mode == "auto-inplace":
+                res_buf = residual.clone()
+                got_norm, got_res = kernel(partial, res_buf, weight, EPS, norm_out=norm_out,
+                                           residual_out=res_buf)
+                chosen = fusion.use_oneshot(tp, n, hidden, 2, sm=sm)
+            else:
+                res_out = torch.full_like(partial, float("nan"))
+                chosen = mode == "oneshot"
+                got_norm, got_res = kernel(partial, residual, weight, EPS, norm_out=norm_out,
+                                           residual_out=res_out, use_oneshot=chosen)
+            ctx.sync()
+            ref_norm, ref_res = add_rms_norm_ref(parts.float().sum(0), residual, weight, EPS)
+            out["rows"].append({
+                "tokens": n, "mode": mode, "oneshot": chosen,
+                "normed_rel": rel_error(got_norm, ref_norm), "residual_rel": rel_error(got_res, ref_res),
+                "nan": bool(torch.isnan(got_norm).any() or torch.isnan(got_res).any()),
+                "digest": [digest(got_norm), digest(got_res)],
+            })
+            del parts
+
+    # Calls past the workspace or the size cap must take the reference path (choose_impl).
+    if dry:  # pretend Hopper so the caps bite as they would there
+        env = fusion.KernelEnv(device="cuda", sm=90, tp_size=tp, hidden_size=hidden,
+                               flashinfer_error=None, workspace_max_tokens=max_tokens)
+    else:
+        env = fa.kernel_env(tp_size=tp, hidden_size=hidden, workspace_max_tokens=max_tokens)
+    cap = fusion.size_cap_tokens(env.sm, tp, hidden, 2)
+    stats, log = FusionStats(), FallbackLog()
+    for n in sorted({1, min(cap, max_tokens), cap + 1, max_tokens + 1} - {0}):
+        check += 1
+        parts, residual, weight = inputs(seed=tp * 1_000_003 + check, n=n)
+        partial = parts[rank].contiguous()
+        impl, reason = fusion.choose_impl(env, dtype="bfloat16", num_tokens=n)
+        stats.record(impl, reason)
+        if reason:
+            log.log_once(reason)
+        if impl == "flashinfer":
+            got_norm, got_res = kernel(partial, residual, weight, EPS)
+        else:  # the fallback's outputs in the model dtype
+            got_norm, got_res = (t.to(partial.dtype) for t in allreduce_add_rms_norm_ref(partial, residual, weight, EPS))
+        ctx.sync()
+        ref_norm, ref_res = add_rms_norm_ref(parts.float().sum(0), residual, weight, EPS)
+        out["dispatch"].append({"tokens": n, "impl": impl, "reason": reason,
+                                "normed_rel": rel_error(got_norm, ref_norm),
+                                "residual_rel": rel_error(got_res, ref_res),
+                                "nan": bool(torch.isnan(got_norm).any() or torch.isnan(got_res).any())})
+        del parts
+    out["stats"] = stats.as_dict()
+    out["size_cap_tokens"] = cap
+    kernel.close()
+    return out
 
 
 def run_allreduce_tp(tp: int, *, tokens, hidden: int = HIDDEN, max_tokens: int = 2048,
                      timeout: float = 240.0, dry_run: bool = False) -> dict:
-    """Spawn ``tp`` ranks on GPU 0, collect their rows, merge them (worst over ranks)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")  # CUDA in forked children is undefined
-    results = ctx.Queue()
-    cfg = {"tokens": list(tokens), "hidden": hidden, "max_tokens": max_tokens,
-           "timeout": max(60, int(timeout)), "dry_run": dry_run}
-    port = _free_port()
-    procs = [ctx.Process(target=_allreduce_worker, args=(r, tp, port, cfg, results), daemon=True)
-             for r in range(tp)]
+    """``tp`` ranks sharing GPU 0 (CPU ranks for --dry-run), started by the launcher; their rows
+    merged (worst over ranks)."""
+    cfg = {"tokens": list(tokens), "hidden": hidden, "max_tokens": max_tokens, "dry_run": dry_run}
     t0 = time.perf_counter()
-    for p in procs:
-        p.start()
-    ranks, deadline = {}, t0 + timeout
-    while len(ranks) < tp:
-        try:
-            r = results.get(timeout=max(1.0, deadline - time.perf_counter()))
-        except queue_mod.Empty:
-            break
-        ranks[r["rank"]] = r
-        if r["error"]:
-            deadline = min(deadline, time.perf_counter() + 20)  # peers of a failed rank hang
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
+    code, reports = launch_ranks("bench.gpu_check:allreduce_worker", cfg, nprocs=tp,
+                                 device="cpu" if dry_run else "gpu", num_gpus=None if dry_run else 1,
+                                 timeout=timeout)
     seconds = round(time.perf_counter() - t0, 1)
-    errors = {r: v["error"] for r, v in ranks.items() if v["error"]}
-    missing = sorted(set(range(tp)) - set(ranks))
-    if missing:
-        errors.update({r: f"no result within {timeout:.0f} s (hung or killed)" for r in missing})
-    rows = _merge_rank_rows([ranks[r]["rows"] for r in sorted(ranks) if not ranks[r]["error"]])
-    dispatch = _merge_rank_rows([ranks[r]["dispatch"] for r in sorted(ranks) if not ranks[r]["error"]],
-                                key=("tokens",))
+    ranks = {r: v["result"] for r, v in reports.items() if "result" in v}
+    errors = {r: v["error"] for r, v in reports.items() if "error" in v}
+    silent = (f"no result within {timeout:.0f} s (hung or killed)" if code == 124
+              else f"stopped without a result (launcher exit status {code})")
+    errors.update({r: silent for r in range(tp) if r not in ranks and r not in errors})
+    rows = _merge_rank_rows([ranks[r]["rows"] for r in sorted(ranks)])
+    dispatch = _merge_rank_rows([ranks[r]["dispatch"] for r in sorted(ranks)], key=("tokens",))
     first = ranks.get(0, {})
     ok = not errors and bool(rows) and all(x["pass"] for x in rows) and all(x["pass"] for x in dispatch)
     return {"tp": tp, "status": "pass" if ok else "fail", "seconds": seconds, "rows": rows,
@@ -511,11 +364,12 @@ def run_policy(args) -> dict:
         from glm_fused.fused_op import flashinfer as fa
     except ImportError as exc:
         return {"status": "skip", "summary": f"torch not importable ({exc})"}
+    from glm_fused.fused_op import KERNEL_TP_SIZES
     from glm_fused.fused_op import policy as fusion
 
     error = fa.probe()
     decisions, rows, mismatches = [], [], 0
-    for tp in (1, 2, 4, 8, 16):
+    for tp in (1, *KERNEL_TP_SIZES):  # 1: no kernel at all
         env = fa.kernel_env(tp_size=tp, hidden_size=args.hidden, workspace_max_tokens=args.max_tokens,
                             flashinfer_error=error)
         cap = fusion.size_cap_tokens(env.sm, tp, args.hidden, 2)
@@ -542,9 +396,6 @@ def run_policy(args) -> dict:
 
 
 # ---------------------------------------------------------------------------- model (real sizes)
-REPO = Path(__file__).resolve().parents[1]
-AIR_CONFIG = REPO / "configs" / "glm-4.5-air.json"
-TINY_CONFIG = REPO / "configs" / "glm-4.5-air-tiny.json"
 # bf16 pass rule of the model section (ours and transformers both in bf16, judged against
 # transformers in fp32 on the same bf16-rounded weights). Each bf16 model rounds its residual
 # stream, attention and experts at different points, so neither matches fp32 exactly and a few
@@ -649,8 +500,6 @@ def ensure_checkpoint(args, device) -> tuple[Path, dict]:
     """The random real-size checkpoint of the model section; made here if no complete one exists."""
     import torch
 
-    from bench.bench_layers import load_config
-
     ckpt = _checkpoint_dir(args)
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     if (ckpt / "COMPLETE").exists():
@@ -696,7 +545,6 @@ def run_model(args) -> dict:
     import torch
 
     from glm_fused.batch import ForwardBatch
-    from bench.bench_layers import load_config
     from glm_fused.config import Glm4MoeConfig
 
     timings = {}
@@ -831,8 +679,6 @@ def run_tp4(args) -> dict:
             return {"status": "skip", "summary": reason}
     import numpy as np
 
-    from bench.bench_layers import load_config
-
     t0 = time.perf_counter()
     ckpt, made = ensure_checkpoint(args, device)
     config = load_config(ckpt / "config.json")
@@ -936,38 +782,16 @@ def _short_exc(exc: BaseException) -> str:
 
 
 def _table(header: list, rows: list) -> None:
-    rows = [[str(c) for c in r] for r in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h))
-              for i, h in enumerate(header)]
-    print("  ".join(str(h).ljust(w) for h, w in zip(header, widths)))
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-    print(flush=True)
+    print(text_table(header, rows) + "\n", flush=True)
 
 
 def _write_json(out_dir: Path, meta: dict, sections: dict) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Merged into the file's earlier sections (one section per run is common)."""
     path = out_dir / "gpu_check.json"
-    data = {}
-    if path.exists():
-        try:
-            data = json.loads(path.read_text())
-        except ValueError:
-            data = {}
+    data = read_json(path) or {}
     data.setdefault("sections", {}).update(sections)
     data["meta"] = meta
-    path.write_text(json.dumps(data, indent=1, default=str))
-    return path
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _token_list(text: str) -> list:
-    """Integers, or tp-1 / tp / tp+1 (resolved per TP size)."""
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    return [x if x in ("tp-1", "tp", "tp+1") else int(x) for x in items]
+    return write_json(path, data)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -976,8 +800,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", default=",".join(SECTIONS),
                    help=f"comma-separated sections, run in this order (default {','.join(SECTIONS)})")
     p.add_argument("--out", type=Path, help="directory for gpu_check.json (merged with an existing one)")
-    p.add_argument("--tp", type=_int_list, default=list(DEFAULT_TPS), help="TP sizes for allreduce (2,4,8)")
-    p.add_argument("--tokens", type=_token_list, default=list(BOUNDARY_TOKENS),
+    p.add_argument("--tp", type=int_list, default=list(DEFAULT_TPS), help="TP sizes for allreduce (2,4,8)")
+    p.add_argument("--tokens", type=token_list, default=list(BOUNDARY_TOKENS),
                    help="token counts for allreduce (default: every boundary from 1 to 2048, with tp-1/tp/tp+1)")
     p.add_argument("--hidden", type=int, default=HIDDEN, help=f"hidden size (default {HIDDEN})")
     p.add_argument("--max-tokens", type=int, default=2048, help="workspace tokens (default 2048)")
@@ -990,11 +814,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "glm_fused_gpu_check",
                    help="where the random checkpoint and the tp4 files go (default: the temp dir)")
     g.add_argument("--seed", type=int, default=0, help="seed of the random model and prompts")
-    g.add_argument("--prompt-lens", type=_int_list, default=[96, 400],
+    g.add_argument("--prompt-lens", type=int_list, default=[96, 400],
                    help="model: prompt lengths, prefilled together (default 96,400)")
     g.add_argument("--decode-steps", type=int, default=4, help="model: decode steps through the KV cache (4)")
     g.add_argument("--tp4-size", type=int, default=4, help="tp4: TP ranks sharing GPU 0 (default 4)")
-    g.add_argument("--tp4-prompt-lens", type=_int_list, default=[40, 200],
+    g.add_argument("--tp4-prompt-lens", type=int_list, default=[40, 200],
                    help="tp4: prompt lengths (default 40,200: under the sm90 TP 4 size cap of 256 tokens, "
                         "so every fused call can be served by the kernel)")
     g.add_argument("--tp4-new-tokens", type=int, default=4, help="tp4: greedy tokens per prompt (4)")
@@ -1009,10 +833,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and the adapter's argument checks, not the kernel; bench, model and tp4 run small "
                         "on the CPU (tiny config, tp4 without the kernel)")
     args = p.parse_args(argv)
-    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
-    unknown = [s for s in args.only if s not in SECTIONS]
-    if unknown:
-        p.error(f"--only: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    try:
+        args.only = name_list(args.only, SECTIONS, "--only")
+    except UserError as exc:
+        p.error(str(exc))
     return args
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from glm_fused.fused_op import policy as fusion
 from bench import bench_fusion as bf
+from bench.common import load_config, token_counts
 from glm_fused.errors import UserError
 
 MiB = 1 << 20
@@ -212,14 +213,13 @@ def test_layer_budget_counts_weights_and_kv_cache():
     assert bf.layer_budget(config, 4, 1, free_bytes=GiB, **kw) == 0
 
 
-def test_model_config_overrides_layers():
+def test_load_config_overrides_layers():
     from glm_fused.tiny import configs_dir
-    import argparse
 
-    ns = argparse.Namespace(config_path=str(configs_dir() / "glm-4.5-air.json"))
-    c = bf.model_config(ns, 12)
+    path = configs_dir() / "glm-4.5-air.json"
+    c = load_config(path, 12)
     assert c.num_hidden_layers == 12 and c.hidden_size == 4096 and c.n_routed_experts == 128
-    assert bf.model_config(ns, 1).first_k_dense_replace == 1
+    assert load_config(path, 1).first_k_dense_replace == 1
 
 
 # ---- flags ----------------------------------------------------------------------------
@@ -244,8 +244,7 @@ def test_tp_sizes_past_the_visible_gpus_are_skipped(monkeypatch):
     args = bf.prepare(bf.build_parser().parse_args(["--tp", "2,4,8", "--only", "check,timing"]))
     assert args.run_tps == [2, 4] and "needs 8 GPUs, 4 visible" in args.skipped_tps["8"]
     assert args.hidden == 4096 and args.workspace_tokens == 2048 and args.replays == 200
-    assert bf.resolve_tokens(args.tokens, 4, args.workspace_tokens) == [1, 3, 5, 16, 64, 128, 129, 256, 512,
-                                                                          1024, 2048]
+    assert token_counts(4, args.workspace_tokens, args.tokens) == [1, 3, 5, 16, 64, 128, 129, 256, 512, 1024, 2048]
     shared = bf.prepare(bf.build_parser().parse_args(["--tp", "8", "--shared-gpu", "--only", "check"]))
     assert shared.run_tps == [8]
     monkeypatch.setattr(bf, "_visible_gpus", lambda: 0)

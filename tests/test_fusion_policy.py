@@ -454,8 +454,10 @@ def test_construction_failure_becomes_fusion_unavailable(fake_gpu, monkeypatch):
 
 
 def test_gpu_check_token_counts_cover_every_boundary():
-    from bench.gpu_check import token_counts
+    from bench.common import token_counts
+    from bench.gpu_check import BOUNDARY_TOKENS
 
-    assert token_counts(4, 2048) == [1, 3, 4, 5, 16, 64, 127, 128, 129, 255, 256, 257, 512, 1024, 2047, 2048]
-    assert token_counts(2, 2048)[:3] == [1, 2, 3]
-    assert token_counts(8, 300)[-1] == 257
+    assert token_counts(4, 2048, BOUNDARY_TOKENS) == [1, 3, 4, 5, 16, 64, 127, 128, 129, 255, 256, 257, 512, 1024,
+                                                      2047, 2048]
+    assert token_counts(2, 2048, BOUNDARY_TOKENS)[:3] == [1, 2, 3]
+    assert token_counts(8, 300, BOUNDARY_TOKENS)[-1] == 257

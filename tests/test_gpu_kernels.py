@@ -38,7 +38,8 @@ def test_norm_kernels_match_fp32(kernels):
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", gpu_check.DEFAULT_TPS)
 def test_fused_allreduce_matches_fp32_on_a_shared_gpu(kernels, tp):
-    res = gpu_check.run_allreduce_tp(tp, tokens=gpu_check.token_counts(tp, kernels.max_tokens),
+    res = gpu_check.run_allreduce_tp(tp, tokens=gpu_check.token_counts(tp, kernels.max_tokens,
+                                                                       gpu_check.BOUNDARY_TOKENS),
                                      hidden=kernels.hidden, max_tokens=kernels.max_tokens, timeout=300)
     assert not res["errors"], res["errors"]
     bad = [r for r in res["rows"] + res["dispatch"] if not r["pass"]]
