@@ -150,39 +150,37 @@ def fill_random(module: torch.nn.Module, config, seed: int, std: float = 0.02) -
             p.normal_(0.0, std, generator=g)
 
 
-def hf_state_from_ours(ours: torch.nn.Module, hf_keys: set[str]) -> dict[str, torch.Tensor]:
-    """transformers' parameter names -> our tensors, for one decoder layer (fused or per-expert experts)."""
-    sd = dict(ours.named_parameters())
+def hf_state_from_ours(ours: torch.nn.Module, config, layer_idx: int, hf_keys: set[str]) -> dict[str, torch.Tensor]:
+    """transformers' names -> our tensors (views), for decoder layer ``layer_idx`` at TP 1: the
+    checkpoint loader's plan (``glm_fused.checkpoint.load_plan``) run backwards, so the names
+    and the q/k/v, gate/up and expert layouts are the loader's own. ``hf_keys`` (the layer's
+    state_dict names) choose per-expert or stacked experts, as a checkpoint's names do."""
+    import numpy as np
+
+    from glm_fused.checkpoint import load_plan
+    from glm_fused.sharding import TPShard
+
+    src, dst = f"model.layers.{layer_idx}.", f"layers.{layer_idx}."
+    plan, full = load_plan(config, TPShard(config, 0, 1), {src + k for k in hf_keys})
+    ours_params = dict(ours.named_parameters())
     out: dict[str, torch.Tensor] = {}
-    qkv = ours.self_attn.qkv_proj
-    sizes = [qkv.q_size, qkv.kv_size, qkv.kv_size]
-    for suffix in ("weight", "bias"):
-        if f"self_attn.qkv_proj.{suffix}" in sd:
-            for part, t in zip("qkv", sd[f"self_attn.qkv_proj.{suffix}"].split(sizes)):
-                out[f"self_attn.{part}_proj.{suffix}"] = t
-    for name in ("self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-                 "input_layernorm.weight", "post_attention_layernorm.weight",
-                 "mlp.gate.weight", "mlp.gate.e_score_correction_bias"):
-        if name in sd:
-            out[name] = sd[name]
-
-    def swiglu(dst: str, src: str) -> None:
-        gate, up = sd[f"{src}gate_up_proj.weight"].chunk(2, dim=0)
-        out.update({f"{dst}gate_proj.weight": gate, f"{dst}up_proj.weight": up,
-                    f"{dst}down_proj.weight": sd[f"{src}down_proj.weight"]})
-
-    if "mlp.experts.gate_up_proj" in sd:
-        gate_up, down = sd["mlp.experts.gate_up_proj"], sd["mlp.experts.down_proj"]
-        if "mlp.experts.gate_up_proj" in hf_keys:  # transformers 5: stacked [E, 2I, H] and [E, H, I]
-            out["mlp.experts.gate_up_proj"], out["mlp.experts.down_proj"] = gate_up, down
-        else:
-            for e in range(gate_up.shape[0]):
-                gate, up = gate_up[e].chunk(2, dim=0)
-                out.update({f"mlp.experts.{e}.gate_proj.weight": gate, f"mlp.experts.{e}.up_proj.weight": up,
-                            f"mlp.experts.{e}.down_proj.weight": down[e]})
-        swiglu("mlp.shared_experts.", "mlp.shared_experts.")
-    else:
-        swiglu("mlp.", "mlp.")
+    for name, p in plan.items():
+        if not name.startswith(dst):
+            continue
+        tensor = ours_params[name.removeprefix(dst)]
+        # (read, our tensor or one expert's slice of it, the axis its reads are concatenated on)
+        groups = [(p.parts, tensor, p.axis)]
+        if p.stack:  # experts: each expert's reads concatenated on its own axis 0
+            per_expert = len(p.parts) // tensor.shape[0]
+            groups = [(p.parts[e * per_expert:(e + 1) * per_expert], tensor[e], 0) for e in range(tensor.shape[0])]
+        for reads, t, axis in groups:
+            shapes = [np.broadcast_to(0, full[r.name])[r.index].shape for r in reads]
+            for r, piece in zip(reads, t.split([s[axis] for s in shapes], dim=axis)):
+                key = r.name.removeprefix(src)
+                if tuple(piece.shape) == tuple(full[r.name]):
+                    out[key] = piece
+                else:  # a piece of one checkpoint tensor (stacked experts' gate and up rows)
+                    out.setdefault(key, t.new_empty(full[r.name]))[r.index] = piece
     return out
 
 
@@ -199,7 +197,7 @@ def build_hf(config, layer_idx: int, ours: torch.nn.Module, dtype, device):
     if config.is_moe_layer(layer_idx):
         layer.mlp.gate.float()  # fp32 router, as transformers keeps it when loading a checkpoint
     target = layer.state_dict()
-    source = hf_state_from_ours(ours, set(target))
+    source = hf_state_from_ours(ours, config, layer_idx, set(target))
     missing, extra = sorted(set(target) - set(source)), sorted(set(source) - set(target))
     if missing or extra:
         raise RuntimeError(f"weight mapping to transformers' layer: missing {missing[:3]}, unexpected {extra[:3]}")

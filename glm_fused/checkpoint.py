@@ -109,8 +109,13 @@ def _cols(a: int, b: int) -> tuple:
     return (slice(None), slice(a, b))
 
 
-def _plan(config: Glm4MoeConfig, shard: TPShard, names: set[str]) -> tuple[dict[str, _Param], dict[str, tuple]]:
-    """Parameter plan for this rank, and the full shape every checkpoint tensor must have."""
+def load_plan(config: Glm4MoeConfig, shard: TPShard, names: set[str]) -> tuple[dict[str, _Param], dict[str, tuple]]:
+    """Parameter plan for this rank, and the full shape every checkpoint tensor must have.
+
+    ``names``: the checkpoint's tensor names (they tell the expert layout). The one map between
+    checkpoint and model names: bench/bench_layers.py runs it backwards to give transformers'
+    layer our weights.
+    """
     c, s = config, shard
     H, D, V = c.hidden_size, c.head_dim, c.vocab_size
     params: dict[str, _Param] = {}
@@ -200,7 +205,7 @@ def expected_shapes(config: Glm4MoeConfig, shard: TPShard) -> dict[str, tuple[tu
 
     Uses the per-expert layout; both layouts give the same parameters.
     """
-    params, _ = _plan(config, shard, names=set())
+    params, _ = load_plan(config, shard, names=set())
     return {name: (p.shape, p.kind) for name, p in params.items()}
 
 
@@ -211,7 +216,7 @@ def _is_mtp(name: str, config: Glm4MoeConfig) -> bool:
 
 def validate(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard) -> dict[str, _Param]:
     """Check names and shapes against the config before any tensor is read."""
-    params, full = _plan(config, shard, ckpt.names)
+    params, full = load_plan(config, shard, ckpt.names)
     missing = [n for n in full if n not in ckpt.location]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
