@@ -16,7 +16,6 @@ from glm_fused.errors import UserError
 # Models this code computes; anything else is refused by name rather than run wrongly.
 SUPPORTED_MODEL_TYPES = ("glm4_moe",)
 SUPPORTED_ROPE_TYPES = ("default", None)
-FUSED_KERNEL_TP_SIZES = (2, 4, 8, 16)
 
 
 @dataclass
