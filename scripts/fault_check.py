@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Thin entry point: see glm_fused/cli/fault_check.py (python scripts/fault_check.py --help)."""
+"""Thin entry point: see bench/fault_check.py (python scripts/fault_check.py --help)."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from glm_fused.cli.fault_check import main  # noqa: E402
+from bench.fault_check import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,7 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.common import REPO, write_json
+
+ROOT = REPO
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -342,5 +344,5 @@ def main(argv=None) -> int:
     finally:
         srv.close()
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        write_json(args.json, figures, indent=2)
     return 0
