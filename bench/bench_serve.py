@@ -24,12 +24,8 @@ import time
 
 import numpy as np
 
-from bench.common import write_json
+from bench.common import int_list, write_json
 from glm_fused.errors import UserError
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server base URL, e.g. http://127.0.0.1:8000 (repeat to compare servers)")
     p.add_argument("--label", action="append", default=None, help="column name per --url (default: from the server)")
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--concurrency", type=_ints, default=[8],
+    p.add_argument("--concurrency", type=int_list, default=[8],
                    help="clients sending at once; a list (1,8,64) measures each in turn")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
