@@ -113,6 +113,9 @@ class ModelRunner:
         F = self.F
         self.comm.stats.reset()
         with F.no_grad():
+            like = self.model.embed_tokens.weight
+            # Uploaded before the forward is queued: nothing after it may wait for the device.
+            row_slots = F.upload(batch.slots[batch.logits_seq], like) if sample else None
             start = F.mark(self.device)
             hidden = self._hidden(batch)
             if not sample:
@@ -125,7 +128,7 @@ class ModelRunner:
                 tokens = F.zeros([len(batch.logits_indices)], "int64", like=hidden)
             if self.comm.size > 1:
                 tokens = self.comm.broadcast(tokens, src=0)
-            self.next_tokens[F.tensor(batch.slots[batch.logits_seq], like=hidden)] = tokens
+            self.next_tokens[row_slots] = tokens
             if self.comm.rank != 0:
                 return StepResult(lambda: None)
             self._step += 1

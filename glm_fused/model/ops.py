@@ -200,6 +200,11 @@ class Ops:
         by the rule of ``glm_fused.engine.sampling``. This default draws on the host."""
         return self.tensor(sampling.sample_on_host(self.to_numpy(self.float32(logits))), like=logits)
 
+    def upload(self, array, like):
+        """``tensor(array, like)`` for a step's small host arrays, without waiting for the device
+        (a plain host-to-device copy of pageable memory waits for the work queued before it)."""
+        return self.tensor(array, like)
+
     def to_host_async(self, x, staging=None):
         """A callable giving ``x`` as a numpy array once it is on the host (default: at once)."""
         value = self.to_numpy(x)

@@ -43,7 +43,12 @@ class DecodeGraphs:
         dev = model.device
         # rows: input ids, positions, slots, keys seen (= position + 1); one copy in per step
         self.inputs = torch.zeros(4, n, dtype=torch.int64, device=dev)
-        self._pinned = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
+        # Two host staging buffers, taken in turn: the engine fills the next step's while the
+        # copy out of the last one may still be queued behind the step running on the device.
+        self._staging = [torch.zeros(4, n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._copied = [None, None]  # the event after each buffer's last copy
+        self._turn = 0
+        self._pinned = self._staging[0]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, FusionStats]] = {}
         self._fill_padding(0)
         self.inputs.copy_(self._pinned)
@@ -81,11 +86,17 @@ class DecodeGraphs:
         """Normed hidden states ``[S, H]`` of a decode batch (one token per sequence)."""
         S = batch.num_seqs
         bs = next(s for s in self.sizes if s >= S)
+        self._turn ^= 1
+        self._pinned = self._staging[self._turn]
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()  # two steps back: long done in practice
         host = self._pinned.numpy()
         host[0, :S], host[1, :S], host[2, :S] = batch.input_ids, batch.positions, batch.slots
         host[3, :S] = batch.context_lens + 1
         self._fill_padding(S)
         self.inputs[:, :bs].copy_(self._pinned[:, :bs], non_blocking=True)
+        self._copied[self._turn] = torch.cuda.Event()
+        self._copied[self._turn].record()
         graph, out, stats = self.graphs[bs]
         graph.replay()
         self.model.comm.stats.add(stats)

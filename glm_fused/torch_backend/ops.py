@@ -252,25 +252,31 @@ class TorchOps(Ops):
         greedy = x.argmax(-1)
         if sampling.all_greedy:
             return greedy
-        dev, V = x.device, x.shape[-1]
-        temp = torch.as_tensor(sampling.temperature, device=dev)
+        V = x.shape[-1]
+        temp = self.upload(sampling.temperature, x)
         xs = x.double() / torch.where(temp > 0, temp, 1.0).double()[:, None]
         if (sampling.top_k > 0).any():
             K = min(int(sampling.top_k.max()), V)
-            kth = xs.topk(K, dim=-1).values.gather(
-                1, torch.as_tensor(np.clip(sampling.top_k, 1, K) - 1, device=dev)[:, None])
-            on = torch.as_tensor((sampling.top_k > 0) & (sampling.top_k < V), device=dev)[:, None]
+            kth = xs.topk(K, dim=-1).values.gather(1, self.upload(np.clip(sampling.top_k, 1, K) - 1, x)[:, None])
+            on = self.upload((sampling.top_k > 0) & (sampling.top_k < V), x)[:, None]
             xs = torch.where(on & (xs < kth), float("-inf"), xs)
         if (sampling.top_p < 1).any():
-            top_p = torch.as_tensor(sampling.top_p, device=dev, dtype=torch.float64)[:, None]
+            top_p = self.upload(sampling.top_p.astype(np.float64), x)[:, None]
             ordered = xs.sort(dim=-1, descending=True).values
             probs = torch.softmax(ordered, dim=-1)
             # Keep tokens while the mass BEFORE them is below top_p: the first always stays.
             kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True)
             last = ordered.gather(1, kept - 1)
             xs = torch.where((top_p < 1) & (xs < last), float("-inf"), xs)
-        g = -torch.log(-torch.log(counter_uniforms(torch.as_tensor(sampling.keys, device=dev), V)))
+        g = -torch.log(-torch.log(counter_uniforms(self.upload(sampling.keys, x), V)))
         return torch.where(temp > 0, (xs + g).argmax(-1), greedy)
+
+    def upload(self, array, like):
+        if like is None or like.device.type != "cuda":
+            return self.tensor(array, like)
+        # Through page-locked memory (torch's caching host allocator keeps the block until the
+        # copy is done), so the host never waits for the step running on the device.
+        return torch.from_numpy(np.ascontiguousarray(array)).pin_memory().to(like.device, non_blocking=True)
 
     def to_host_async(self, x, staging=None):
         """Copy ``x`` into pinned ``staging`` without waiting; the callable waits for the copy only."""
