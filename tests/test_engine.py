@@ -8,6 +8,7 @@ wrong context, a chunk out of order) changes the generated tokens and fails a te
 from __future__ import annotations
 
 import hashlib
+import math
 import queue
 import threading
 
@@ -138,6 +139,60 @@ def test_device_sampler_draws_what_the_host_draws():
     device = OPS.sample(torch.from_numpy(logits), batch).numpy()
     assert (device == host).all(), np.flatnonzero(device != host)
     assert len(set(host[1::5].tolist())) > 3  # the sampled rows really vary
+
+
+def _chi2_sf_even_df(x: float, df: int) -> float:
+    """P(X >= x) for a chi-square variable X with an even number of degrees of freedom:
+    exp(-x/2) * sum_{i < df/2} (x/2)^i / i! (closed form; no scipy needed)."""
+    term, total = 1.0, 1.0
+    for i in range(1, df // 2):
+        term *= (x / 2) / i
+        total += term
+    return math.exp(-x / 2) * total
+
+
+def _chi2_threshold(df: int, alpha: float) -> float:
+    """The x with P(X >= x) = alpha, by bisection on the closed form."""
+    lo, hi = 0.0, 1000.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _chi2_sf_even_df(mid, df) > alpha else (lo, mid)
+    return hi
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("temperature", [0.7, 2.0])
+def test_sampling_frequencies_follow_softmax_at_the_temperature(temperature, where):
+    """20000 draws against softmax(logits / T), Pearson's chi-square goodness of fit, for the
+    host sampler and the device one (``TorchOps.sample``, here on CPU tensors).
+
+    9 tokens give 8 degrees of freedom; every expected count is >= 30 at both temperatures
+    (the chi-square approximation needs >= 5). The threshold is the statistic's 1 - 1e-6
+    quantile (computed below, 42.70): a correct sampler fails with probability 1e-6 per case
+    for random keys, and these keys are fixed (one seed, output steps 0..19999). A sampler
+    that ignores T (draws from softmax(logits)) scores in the thousands at T = 0.7 and T = 2.
+    """
+    logits = np.array([0.5, -2.0, 2.0, 1.0, -0.5, 0.0, 1.5, -1.5, -1.0], dtype=np.float32)
+    want = np.exp(logits.astype(np.float64) / temperature)
+    want /= want.sum()
+    n = 20000
+    expected = n * want
+    assert expected.min() >= 30
+    params = SamplingParams(temperature=temperature)
+    if where == "host":
+        drawn = [sample(logits, params, k) for k in keys(20240, n)]
+    else:
+        torch = pytest.importorskip("torch")
+        from glm_fused.engine.sampling import SamplingBatch
+        from glm_fused.torch_backend import OPS
+
+        batch = SamplingBatch.build([(params, k) for k in keys(20240, n)])
+        drawn = OPS.sample(torch.from_numpy(np.tile(logits, (n, 1))), batch).numpy()
+    counts = np.bincount(drawn, minlength=len(logits))
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    threshold = _chi2_threshold(df=len(logits) - 1, alpha=1e-6)
+    assert 42.6 < threshold < 42.8  # scipy.stats.chi2.isf(1e-6, 8) = 42.70
+    assert stat < threshold, f"{where}, T={temperature}: chi-square {stat:.1f} >= {threshold:.1f}; counts {counts.tolist()}"
 
 
 @pytest.mark.parametrize("kwargs,param", [
