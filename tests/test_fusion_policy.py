@@ -7,7 +7,6 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -360,61 +359,22 @@ def test_as_torch_takes_a_paddle_tensor():
     assert t.data_ptr() == p.data_ptr()  # same memory, no copy
 
 
-class _FakeComm:
-    """FlashInfer's comm-backend protocol, as a Paddle group would provide it."""
-
-    def __init__(self, rank, size):
-        self.rank, self.size = rank, size
-
-    def Get_rank(self):  # noqa: N802
-        return self.rank
-
-    def Get_size(self):  # noqa: N802
-        return self.size
-
-    def allgather(self, data):
-        return [data] * self.size
-
-    def bcast(self, data, root):
-        return data
-
-    def barrier(self):
-        pass
-
-    def Split(self, color, key):  # noqa: N802
-        return self
-
-
-def _fake_flashinfer(calls):
-    def create_workspace(**kw):
-        calls["create"] = kw
-        return [[1], [2], [3]], "workspace-tensor", ["mem"], {"control_flag_ptr": 1234}
-
-    def allreduce_fusion(**kw):
-        calls["call"] = kw
-
-    return SimpleNamespace(
-        version="fake", allreduce_fusion=allreduce_fusion, create_workspace=create_workspace,
-        destroy_workspace=lambda handles: calls.setdefault("destroyed", handles),
-        pattern=1, TorchDistBackend=lambda group: pytest.fail("a comm backend was given"),
-        cudart=SimpleNamespace(cudaFree=lambda p: calls.setdefault("freed", p.value)))
-
-
 @pytest.fixture
 def fake_gpu(monkeypatch):
+    """The adapter on a pretended sm90 GPU whose FlashInfer only records what it is given."""
     fa, torch = _fa(), _torch()
+    import fake_flashinfer
+
     calls = {}
-    monkeypatch.setattr(fa, "_flashinfer", lambda: _fake_flashinfer(calls))
-    monkeypatch.setattr(fa, "probe", lambda: None)
-    monkeypatch.setattr(fa, "device_sm", lambda device=None: 90)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    fake_flashinfer.pretend_gpu(monkeypatch, fake_flashinfer.fake_namespace(calls))
     return fa, torch, calls
 
 
 def test_construction_wiring_with_a_comm_backend(fake_gpu):
     fa, torch, calls = fake_gpu
-    comm = _FakeComm(1, 4)
+    from fake_flashinfer import FakeComm
+
+    comm = FakeComm(1, 4)
     k = fa.FlashInferAllReduceFusion(tp_rank=1, tp_size=4, max_num_tokens=256, hidden_size=H, dtype="bf16",
                                      device="cuda:0", group=comm, shared_gpu=True)
     assert calls["create"] == dict(tp_rank=1, tp_size=4, max_token_num=256, hidden_dim=H, use_fp32_lamport=False,
@@ -433,15 +393,19 @@ def test_construction_wiring_with_a_comm_backend(fake_gpu):
 
 def test_construction_refuses_a_group_that_is_not_the_tp_group(fake_gpu):
     fa, torch, calls = fake_gpu
+    from fake_flashinfer import FakeComm
+
     with pytest.raises(fa.FusionUnavailable, match="pass the TP group"):
         fa.FlashInferAllReduceFusion(tp_rank=1, tp_size=4, max_num_tokens=256, hidden_size=H,
-                                     dtype=torch.bfloat16, device="cuda:0", group=_FakeComm(1, 8))
+                                     dtype=torch.bfloat16, device="cuda:0", group=FakeComm(1, 8))
     assert "create" not in calls
 
 
 def test_construction_failure_becomes_fusion_unavailable(fake_gpu, monkeypatch):
     fa, torch, calls = fake_gpu
-    broken = _fake_flashinfer(calls)
+    from fake_flashinfer import FakeComm, fake_namespace
+
+    broken = fake_namespace(calls)
 
     def explode(**kw):
         raise RuntimeError("cuMemCreate: out of memory")
@@ -450,7 +414,39 @@ def test_construction_failure_becomes_fusion_unavailable(fake_gpu, monkeypatch):
     monkeypatch.setattr(fa, "_flashinfer", lambda: broken)
     with pytest.raises(fa.FusionUnavailable, match="workspace creation failed .*out of memory"):
         fa.FlashInferAllReduceFusion(tp_rank=0, tp_size=2, max_num_tokens=8, hidden_size=H,
-                                     dtype=torch.bfloat16, device="cuda:0", group=_FakeComm(0, 2))
+                                     dtype=torch.bfloat16, device="cuda:0", group=FakeComm(0, 2))
+
+
+def test_adapter_call_returns_normed_then_residual(monkeypatch):
+    """The adapter's real ``__call__`` on the CPU, its kernel a stand-in writing a different
+    marker into each output: what the kernel wrote to ``norm_out`` comes back first and
+    ``residual_out`` second, with fresh buffers and with the caller's (residual in place)."""
+    fa, torch = _fa(), _torch()
+    from fake_flashinfer import cpu_adapter
+
+    seen = []
+
+    def kernel(**kw):
+        seen.append(kw)
+        kw["norm_out"].fill_(1.0)
+        kw["residual_out"].fill_(-2.0)
+
+    adapter = cpu_adapter(monkeypatch, kernel, tp_rank=1, tp_size=4, max_num_tokens=16, hidden_size=64)
+    partial, residual, weight, _ = _call_args(torch)
+    partial_before = partial.clone()
+    normed, res = adapter(partial, residual, weight, 1e-5)
+    kw = seen[-1]
+    assert torch.all(normed == 1.0) and torch.all(res == -2.0)
+    assert normed is kw["norm_out"] and res is kw["residual_out"]
+    assert kw["allreduce_in"] is partial and kw["residual_in"] is residual and kw["rms_gamma"] is weight
+    assert (kw["world_rank"], kw["world_size"], kw["token_num"], kw["hidden_dim"]) == (1, 4, 5, 64)
+    assert kw["workspace_ptrs"] == "workspace-tensor" and kw["rms_eps"] == 1e-5
+
+    norm_buf = torch.empty_like(partial)
+    normed, res = adapter(partial, residual, weight, 1e-5, norm_out=norm_buf, residual_out=residual)
+    assert normed is norm_buf and res is residual
+    assert torch.all(norm_buf == 1.0) and torch.all(residual == -2.0)
+    assert torch.equal(partial, partial_before)  # the kernel's input is never written
 
 
 def test_gpu_check_token_counts_cover_every_boundary():
