@@ -12,7 +12,7 @@ Tolerances, as max |diff| / max |ref| over all logits of a scenario:
 * fp32, fused vs classic layout and cached/batched vs one-shot forward: <= 1e-5. Same maths
   with the all-reduce moved or the attention split differently (measured 0 and ~5e-7).
 * fp32, Paddle vs torch on the same checkpoint and scenarios: <= 1e-4 (as vs transformers).
-* bf16 (CPU torch, and CUDA with the FlashInfer kernel): see BF16_BOUNDS.
+* bf16: BF16_CPU_BOUNDS (CPU torch) and BF16_BOUNDS (CUDA, with the FlashInfer kernel).
 """
 
 from __future__ import annotations
@@ -46,12 +46,22 @@ HF_TOL = 1e-4
 SAME_MATHS_TOL = 1e-5
 # bf16 keeps 8 significant bits (relative rounding 2**-9 ~ 0.2% per stored value), and in a
 # random model a few tokens sit on a near-tie between experts that rounding flips (moving that
-# token's logits by up to ~20% of scale). So bf16 is judged on all rows of all scenarios
-# pooled: mean |diff| <= 1% of the logit scale, 90% of rows within 5%, top-1 agreement >= 0.8.
-# Measured, bf16 vs fp32: small models mean 0.2%, p90 ~1.5%, top-1 1.0; the hidden-512 model
-# mean 0.45%, p90 1.5%, top-1 0.91 (its logits are flat: std 0.3 of a max of 1.9, so close
-# calls are common). A real fault lands far outside: a wrong cast or a misused kernel (random
-# logits agree on top-1 about 1/256 of the time and differ by ~100% of scale).
+# token's logits by up to ~20% of scale). So bf16 is judged on all rows pooled: mean |diff|,
+# the 90th percentile of a row's max |diff| (both relative to the logit scale), and top-1
+# agreement. A real fault lands far outside: a wrong cast or a misused kernel (random logits
+# agree on top-1 about 1/256 of the time and differ by ~100% of scale). Faults that stay inside
+# bf16 noise are checked directly in tests/test_layer_numerics.py: router logits in bf16 moved
+# the mean below by -0.5% / -2%, norm statistics in bf16 by +10% / +11% (and flipped 1 of 47
+# top-1 rows).
+#
+# CPU, the small checkpoints A and B, bf16 vs our fp32 (test_bfloat16_on_cpu_tracks_fp32),
+# measured with torch 2.13 on x86: mean 0.21% / 0.23%, p90 0.99% / 1.09%, top-1 1.0 / 1.0.
+# Bounds: 1.5x the worse of the two for mean and p90 (summation order differs between CPUs and
+# builds); top-1 lets 2 of the 47 rows of a checkpoint flip.
+BF16_CPU_BOUNDS = {"mean": 0.0035, "p90": 0.0165, "top1": 0.95}
+# CUDA, the hidden-512 checkpoint G at TP 1/2/4 (FlashInfer where it serves): measured mean
+# 0.45%, p90 1.5%, top-1 0.91 (its logits are flat: std 0.3 of a max of 1.9, so close calls are
+# common). Bounds about 2x (mean), 3x (p90) those; not re-measured since.
 BF16_BOUNDS = {"mean": 0.01, "p90": 0.05, "top1": 0.8}
 
 
@@ -339,7 +349,7 @@ def test_the_written_once_classes_are_not_for_direct_use():
 
 
 def test_bfloat16_on_cpu_tracks_fp32(ckpts, prompts):
-    """torch: bf16 weights and activations vs our fp32 result on the same checkpoint (BF16_BOUNDS)."""
+    """torch: bf16 weights and activations vs our fp32 result on the same checkpoint (BF16_CPU_BOUNDS)."""
     cls = _model_class("torch")
     for name in ("A", "B"):
         fp32 = cls.from_pretrained(ckpts[name], dtype="float32")
@@ -348,7 +358,7 @@ def test_bfloat16_on_cpu_tracks_fp32(ckpts, prompts):
         assert bf16.layers[1].mlp.gate.weight.dtype == torch.float32  # the router stays fp32
         ref = np.concatenate([fp32(p).numpy() for p in prompts])
         got = np.concatenate([bf16(p).float().numpy() for p in prompts])
-        _assert_within({"all": workers.compare(got, ref)}, BF16_BOUNDS, f"{name} bf16 vs fp32")
+        _assert_within({"all": workers.compare(got, ref)}, BF16_CPU_BOUNDS, f"{name} bf16 vs fp32")
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
