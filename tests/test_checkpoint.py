@@ -1,6 +1,7 @@
 """The checkpoint reader and load plan: both expert layouts, slicing, and strictness."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -53,9 +54,61 @@ def test_the_two_layouts_really_differ(hf):
     assert "model.layers.1.mlp.experts.gate_up_proj" in fused and len(Checkpoint(dirs["fused"]).files) > 1
 
 
+def _full_tensors(name: str, parts: list[np.ndarray], cfg: Glm4MoeConfig) -> dict[str, np.ndarray]:
+    """Checkpoint tensors rebuilt from every rank's part of parameter ``name``.
+
+    The sharding rules of docs/design.md, written out here independently of the load plan:
+    vocabulary rows split in rank order; q heads split; KV heads split while tp <= KV heads,
+    else each serves tp // kv_heads consecutive ranks (who must hold identical rows); gate and
+    up rows (dense, shared and routed experts) split, each rank holding its gate rows then its
+    up rows; o_proj and down_proj columns split; norms and the router replicated.
+    """
+    tp, D = len(parts), cfg.head_dim
+    src = name if name == "lm_head.weight" else f"model.{name}"
+    cat = np.concatenate
+
+    def same(arrays):
+        for r, a in enumerate(arrays[1:], 1):
+            np.testing.assert_array_equal(a, arrays[0], err_msg=f"{name}: rank {r} differs from rank 0")
+        return arrays[0]
+
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return {src: cat(parts)}
+    if name.endswith(("norm.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias")):
+        return {src: same(parts)}
+    if name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):
+        prefix, kind = src.rsplit("qkv_proj.", 1)
+        nq = cfg.num_attention_heads // tp * D
+        nkv = max(1, cfg.num_key_value_heads // tp) * D
+        full = {f"{prefix}q_proj.{kind}": cat([p[:nq] for p in parts])}
+        for j, proj in enumerate(("k_proj", "v_proj")):
+            pieces = [p[nq + j * nkv: nq + (j + 1) * nkv] for p in parts]
+            if tp > cfg.num_key_value_heads:
+                per_head = tp // cfg.num_key_value_heads
+                pieces = [same(pieces[h * per_head:(h + 1) * per_head]) for h in range(cfg.num_key_value_heads)]
+            full[f"{prefix}{proj}.{kind}"] = cat(pieces)
+        return full
+    if name.endswith(("o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight")):
+        return {src: cat(parts, axis=1)}
+    if name.endswith("gate_up_proj.weight"):  # dense MLP and shared experts: [2 * I/tp, H]
+        prefix = src.removesuffix("gate_up_proj.weight")
+        half = parts[0].shape[0] // 2
+        return {f"{prefix}gate_proj.weight": cat([p[:half] for p in parts]),
+                f"{prefix}up_proj.weight": cat([p[half:] for p in parts])}
+    if name.endswith("experts.gate_up_proj"):  # [E, 2 * I/tp, H]; the checkpoint: gate rows, then up
+        half = parts[0].shape[1] // 2
+        return {src: cat([cat([p[:, :half] for p in parts], axis=1), cat([p[:, half:] for p in parts], axis=1)],
+                         axis=1)}
+    if name.endswith("experts.down_proj"):  # [E, H, I/tp]
+        return {src: cat(parts, axis=2)}
+    raise AssertionError(f"no reassembly rule for parameter {name!r}: add one to _full_tensors")
+
+
 @pytest.mark.parametrize("form", ["original", "fused"])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_rank_slices_reassemble_the_full_tensors(hf, form, tp):
+    """Every planned parameter of every rank, put back together, equals the tensors transformers
+    saved (both expert layouts; at TP 4 and 8 the 2 KV heads are replicated)."""
     dirs, state = hf
     ckpt = Checkpoint(dirs[form])
     cfg = Glm4MoeConfig.from_pretrained(dirs[form])
@@ -63,30 +116,14 @@ def test_rank_slices_reassemble_the_full_tensors(hf, form, tp):
     for r, w in enumerate(ranks):
         shapes = expected_shapes(cfg, TPShard(cfg, r, tp))
         assert {k: v.shape for k, v in w.items()} == {k: s for k, (s, _) in shapes.items()}
-    D, nq = 16, 8 // tp
-    # q rows and o_proj columns follow the same heads; k/v replicated when tp > 2 KV heads
-    q = np.concatenate([w["layers.0.self_attn.qkv_proj.weight"][: nq * D] for w in ranks])
-    np.testing.assert_array_equal(q, state["model.layers.0.self_attn.q_proj.weight"])
-    o = np.concatenate([w["layers.0.self_attn.o_proj.weight"] for w in ranks], axis=1)
-    np.testing.assert_array_equal(o, state["model.layers.0.self_attn.o_proj.weight"])
-    kv_of = lambda w: w["layers.2.self_attn.qkv_proj.weight"][nq * D:]  # noqa: E731
-    k_full = state["model.layers.2.self_attn.k_proj.weight"]
-    head = lambda r: r * 2 // tp if tp > 2 else None  # noqa: E731
-    if tp > 2:
-        for r, w in enumerate(ranks):
-            np.testing.assert_array_equal(kv_of(w)[:D], k_full[head(r) * D:(head(r) + 1) * D])
-    # experts: gate rows then up rows of each rank's slice of the intermediate dimension
-    gate_up = np.concatenate([w["layers.1.mlp.experts.gate_up_proj"] for w in ranks], axis=1)
-    I_loc = 32 // tp
-    gate = np.concatenate([gate_up[:, r * 2 * I_loc: r * 2 * I_loc + I_loc] for r in range(tp)], axis=1)
-    np.testing.assert_array_equal(gate, state["model.layers.1.mlp.experts.gate_up_proj"][:, :32])
-    down = np.concatenate([w["layers.1.mlp.experts.down_proj"] for w in ranks], axis=2)
-    np.testing.assert_array_equal(down, state["model.layers.1.mlp.experts.down_proj"])
-    embed = np.concatenate([w["embed_tokens.weight"] for w in ranks])
-    np.testing.assert_array_equal(embed, state["model.embed_tokens.weight"])
-    for w in ranks:  # router and its bias replicated, fp32
-        np.testing.assert_array_equal(w["layers.2.mlp.gate.e_score_correction_bias"],
-                                      state["model.layers.2.mlp.gate.e_score_correction_bias"])
+    rebuilt: dict[str, np.ndarray] = {}
+    for name in ranks[0]:
+        for src, full in _full_tensors(name, [w[name] for w in ranks], cfg).items():
+            assert src not in rebuilt, f"{src} rebuilt twice"
+            rebuilt[src] = full
+    assert set(rebuilt) == set(state)  # every tensor of the model, none invented
+    for src, full in rebuilt.items():
+        np.testing.assert_array_equal(full, state[src], err_msg=src)
 
 
 def test_bf16_is_widened_exactly(tmp_path):
@@ -104,6 +141,7 @@ def test_bf16_is_widened_exactly(tmp_path):
 def _copy(hf, tmp_path, form="original"):
     dirs, _ = hf
     dst = tmp_path / "ckpt"
+    dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(dirs[form], dst)
     return dst
 
@@ -189,11 +227,22 @@ def test_pickle_only_directory_is_refused(tmp_path):
 
 
 def test_mtp_layer_is_skipped_but_other_extras_are_not(hf, tmp_path):
-    d = _copy(hf, tmp_path)
+    """The MTP block (layer index num_hidden_layers = 3 here) loads as skipped; the same
+    kind of tensor inside a decoder layer, or outside any layer, is refused by name."""
+    def add(extra: dict):
+        def fn(t):
+            if "model.norm.weight" in t:
+                t.update(extra)
+        return fn
 
-    def add_mtp(t):
-        if "model.norm.weight" in t:
-            t["model.layers.3.eh_proj.weight"] = np.ones((64, 128), np.float32)
-            t["model.layers.3.mlp.experts.0.up_proj.weight"] = np.ones((32, 64), np.float32)
-    _rewrite(d, add_mtp)
-    _load_all(d)  # layer 3 == num_hidden_layers: the MTP block, skipped
+    mtp = {"model.layers.3.eh_proj.weight": np.ones((64, 128), np.float32),
+           "model.layers.3.mlp.experts.0.up_proj.weight": np.ones((32, 64), np.float32)}
+    d = _copy(hf, tmp_path / "mtp")
+    _rewrite(d, add(mtp))
+    _load_all(d)  # skipped
+    for extra in ("model.layers.2.eh_proj.weight", "model.layers.0.mlp.experts.0.up_proj.weight",
+                  "model.eh_proj.weight"):
+        d = _copy(hf, tmp_path / extra)
+        _rewrite(d, add({**mtp, extra: np.ones((2, 2), np.float32)}))
+        with pytest.raises(UserError, match=rf"unexpected tensor '{re.escape(extra)}'"):
+            _load_all(d)
