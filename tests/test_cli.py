@@ -77,6 +77,33 @@ def test_logit_diff_tp4_fused_matches_unfused_and_transformers(tiny, tmp_path):
     assert not proc.leftovers
 
 
+# GLM-4.5's own settings where they differ from the Air-shaped tiny default: routed experts
+# scaled by 2.5 (Air: 1.0, which hides a dropped scaling factor), qk-norm, and more dense layers.
+GLM45_OVERRIDES = {"routed_scaling_factor": 2.5, "use_qk_norm": True, "first_k_dense_replace": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["paddle", "torch"])
+def test_logit_diff_glm45_settings_match_transformers(tmp_path, backend):
+    """The accuracy tool end to end at TP 2 on a tiny checkpoint with GLM-4.5's settings:
+    fused and unfused within 1e-4 of transformers (fp32; measured <= 1e-6)."""
+    from glm_fused.tiny import write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(tmp_path / "glm45-tiny", GLM45_OVERRIDES)
+    assert json.loads((ckpt / "config.json").read_text())["routed_scaling_factor"] == 2.5
+    out = tmp_path / "out.json"
+    proc = run_script("logit_diff.py", "--model", ckpt, "--tp", 2, "--backend", backend, "--json", out,
+                      "--hf-reference", "--max-new-tokens", 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for tag in ("fused", "unfused"):
+        assert report["vs_transformers"][tag]["max_rel_diff"] <= 1e-4, report["vs_transformers"][tag]
+        assert report["vs_transformers"][tag]["top1_agreement"] == 1.0
+    assert report["passed"] and report["fusion"]["plain_allreduce_calls"] == 0
+    assert not proc.leftovers
+
+
 def test_logit_diff_fails_past_tolerance():
     from glm_fused.cli.logit_diff import _report
 
