@@ -186,13 +186,21 @@ def complete(srv: Server, prompt, max_tokens=8, **extra) -> tuple[str, list[int]
     return c["text"], c["token_ids"], c["finish_reason"], data["usage"]
 
 
-def metric(srv: Server, name: str, **labels: str) -> float:
-    """The sum of the ``glm_fused:NAME`` samples with these labels, read with Prometheus' parser."""
+def metric(srv: Server, name: str, missing: float | None = None, **labels: str) -> float:
+    """The sum of the ``glm_fused:NAME`` samples with these labels, read with Prometheus' parser.
+
+    No such sample fails the test (a renamed or dropped series must not read as 0), unless
+    ``missing`` is given: the value of a labelled counter that nothing has incremented yet (it
+    has no sample until then), for a reading taken before the increments."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{srv.url}/metrics", timeout=10).text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == f"glm_fused:{name}" and labels.items() <= s.labels.items())
+    values = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+              if s.name == f"glm_fused:{name}" and labels.items() <= s.labels.items()]
+    if not values:
+        assert missing is not None, f"/metrics has no glm_fused:{name} sample with labels {labels}"
+        return missing
+    return sum(values)
 
 
 # ---- the API ---------------------------------------------------------------------------
@@ -285,7 +293,7 @@ def test_32_concurrent_requests_none_lost_and_greedy_unchanged(server, tmp_path)
     and as scripts/generate.py makes them."""
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
     alone = {i: complete(server, prompts[i], ignore_eos=True)[1] for i in (0, 5, 13, 31)}
-    before = metric(server, "request_success_total", finished_reason="length")
+    before = metric(server, "request_success_total", missing=0.0, finished_reason="length")
 
     def one(i):
         return complete(server, prompts[i], ignore_eos=True)
@@ -324,7 +332,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
         (dict(prompt=[5, 10**6]), 400, "prompt"),
         (dict(extra_body={"logprobs": 3}), 400, "logprobs"),
     ]
-    before = metric(server, "request_errors_total", status="400")
+    before = metric(server, "request_errors_total", missing=0.0, status="400")
     for kwargs, status, param in cases:
         args = dict(model=MODEL, prompt="hello", max_tokens=4) | kwargs
         with pytest.raises(openai.APIStatusError) as info:
@@ -348,7 +356,7 @@ def test_metrics_move(server):
     keys = [("request_success_total", {"finished_reason": "length"}), ("prompt_tokens_total", {}),
             ("generation_tokens_total", {}), ("time_to_first_token_seconds_count", {}),
             ("request_time_per_output_token_seconds_count", {}), ("engine_steps_total", {})]
-    before = {name: metric(server, name, **labels) for name, labels in keys}
+    before = {name: metric(server, name, missing=0.0 if labels else None, **labels) for name, labels in keys}
     complete(server, PROMPTS[5], max_tokens=5, ignore_eos=True)
     after = {name: metric(server, name, **labels) for name, labels in keys}
     assert after["request_success_total"] == before["request_success_total"] + 1
@@ -368,7 +376,7 @@ def test_metrics_move(server):
 
 @pytest.mark.timeout(120)
 def test_client_disconnect_frees_its_sequence(server):
-    before = metric(server, "request_success_total", finished_reason="abort")
+    before = metric(server, "request_success_total", missing=0.0, finished_reason="abort")
     with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
                       json={"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 200, "ignore_eos": True,
                             "stream": True}) as r:
@@ -377,7 +385,7 @@ def test_client_disconnect_frees_its_sequence(server):
                 break  # leave mid-stream
     end = time.monotonic() + 20
     while time.monotonic() < end:
-        if (metric(server, "request_success_total", finished_reason="abort") == before + 1
+        if (metric(server, "request_success_total", missing=0.0, finished_reason="abort") == before + 1
                 and metric(server, "num_requests_running") == 0):
             break
         time.sleep(0.2)
