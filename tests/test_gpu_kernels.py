@@ -3,7 +3,8 @@
 Skipped cleanly without CUDA + flashinfer.comm. With them: the norm kernels vs fp32, the
 fused all-reduce + residual + RMSNorm at TP 2/4/8 as processes sharing GPU 0 at every
 token-count boundary (one-shot and two-shot), the fallback past workspace and cap, and
-choose_impl's decisions on the real device.
+choose_impl's decisions on the real device (expected values for sm90, sm100, sm103
+and sm120; another arch skips saying so).
 """
 
 from __future__ import annotations
@@ -54,4 +55,7 @@ def test_fused_allreduce_matches_fp32_on_a_shared_gpu(kernels, tp):
 
 def test_choose_impl_on_this_device(kernels):
     res = gpu_check.run_policy(kernels)
-    assert res["status"] != "fail", [d for d in res["decisions"] if d["expected"] not in (None, d["impl"])]
+    wrong = [d for d in res["decisions"] if d["expected"] not in (None, d["impl"])]
+    if res["status"] == "ok":  # the kernels run here, but no caps are written down for this arch
+        pytest.skip(f"no expected fusion decisions for this GPU: {res['summary']}")
+    assert res["status"] == "pass", wrong
