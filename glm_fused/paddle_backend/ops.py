@@ -90,9 +90,10 @@ class PaddleOps(Ops):
         major, minor = paddle.device.cuda.get_device_capability()
         return major * 10 + minor
 
-    def copy_into(self, param, array: np.ndarray) -> None:
-        # float32 host array -> device, then the cast (numpy has no bfloat16).
-        param.set_value(paddle.to_tensor(array, dtype="float32").astype(param.dtype))
+    def weight_writer(self, device):
+        from glm_fused.paddle_backend.weights import PaddleWeightWriter
+
+        return PaddleWeightWriter(device)
 
     def fill(self, param, value: float) -> None:
         param.set_value(paddle.full(param.shape, value, dtype=param.dtype))
