@@ -89,6 +89,11 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entries[name][1]
 
+    def nbytes(self, name: str) -> int:
+        """Bytes of the tensor as stored."""
+        _, _, begin, end = self._entries[name]
+        return end - begin
+
     def dtype(self, name: str) -> str:
         """The stored dtype as safetensors names it: ``BF16``, ``F32``, ``F8_E4M3``, ..."""
         return self._entries[name][0]

@@ -27,7 +27,8 @@ class LoadStats:
         return self.bytes / 2**30 / max(self.seconds, 1e-9)
 
     def __str__(self) -> str:
-        return f"{self.bytes / 2**30:.2f} GiB in {self.seconds:.1f} s ({self.gib_per_s:.2f} GiB/s)"
+        size = f"{self.bytes / 2**30:.2f} GiB" if self.bytes >= 2**30 / 10 else f"{self.bytes / 2**20:.1f} MiB"
+        return f"{self.gib_per_s:.2f} GiB/s ({size} in {self.seconds:.2f} s)"
 
 
 def load_weights(model, model_dir: str | Path, progress: bool = True) -> LoadStats:
