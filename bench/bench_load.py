@@ -20,8 +20,10 @@ CPU default) has 4 experts and a vocabulary of 8192 (0.94 GiB). Every file is re
 Printed per rank: checkpoint bytes read (as stored), seconds, GiB/s, the rate against the plain
 rate, and on the CPU the peak RSS above the rank's baseline (after imports) per byte of its
 in-memory parameters. TP n total: all ranks' bytes over the wall time of the whole load (first
-start to last finish), against the plain single-process rate. Targets (issue 16): GPU TP 1 rate
->= 0.9x plain and TP 4 total >= 0.8x; CPU TP 1 time <= 1.3x plain; peak RSS <= 1.2x parameters.
+start to last finish), against the plain single-process rate. ``--repeat N`` runs each
+measurement N times and keeps the fastest (a busy host slows single runs at random). Targets
+(issue 16): GPU TP 1 rate >= 0.9x plain and TP 4 total >= 0.8x; CPU TP 1 time <= 1.3x plain;
+peak RSS <= 1.2x parameters.
 """
 
 from __future__ import annotations
@@ -225,12 +227,18 @@ def _child(payload: str) -> int:
     return 0
 
 
+def _wall(ranks: list[dict]) -> float:
+    return max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
+
+
 def bench_backend(args, backend: str, data_bytes: int) -> tuple[list[list], dict]:
     common = {"dir": str(args.dir), "backend": backend, "device": args.device, "dtype": args.dtype}
-    code, reports = fresh_launch("bench.bench_load:plain_worker", common, 1, args)
-    if code:
-        raise UserError(f"{backend}: the plain safetensors read failed (exit {code})")
-    plain_s = reports[0]["seconds"]
+    plain_s = math.inf
+    for _ in range(args.repeat):
+        code, reports = fresh_launch("bench.bench_load:plain_worker", common, 1, args)
+        if code:
+            raise UserError(f"{backend}: the plain safetensors read failed (exit {code})")
+        plain_s = min(plain_s, reports[0]["seconds"])
     plain_rate = data_bytes / plain_s
     reader = "pt" if backend == "torch" else "paddle"
     what = "to the GPU" if args.device == "gpu" else f"read + cast to {args.dtype}"
@@ -238,10 +246,14 @@ def bench_backend(args, backend: str, data_bytes: int) -> tuple[list[list], dict
              f"{plain_rate / GIB:.2f}", "1.00", "-"]]
     out = {"plain": {"bytes": data_bytes, "seconds": plain_s}, "tp": {}}
     for tp in args.tp:
-        code, reports = fresh_launch("bench.bench_load:model_worker", common, tp, args)
-        if code or len(reports) != tp:
-            raise UserError(f"{backend}: from_pretrained at TP {tp} failed (exit {code})")
-        ranks = [reports[r] for r in range(tp)]
+        ranks = None
+        for _ in range(args.repeat):  # the run with the shortest wall time
+            code, reports = fresh_launch("bench.bench_load:model_worker", common, tp, args)
+            if code or len(reports) != tp:
+                raise UserError(f"{backend}: from_pretrained at TP {tp} failed (exit {code})")
+            run = [reports[r] for r in range(tp)]
+            if ranks is None or _wall(run) < _wall(ranks):
+                ranks = run
         for r in ranks:
             rate = r["bytes"] / r["seconds"]
             mem = "-" if args.device == "gpu" else f"{(r['peak_rss'] - r['base_rss']) / r['param_bytes']:.2f}"
@@ -249,8 +261,7 @@ def bench_backend(args, backend: str, data_bytes: int) -> tuple[list[list], dict
             rows.append([f"from_pretrained TP {tp}", tp, r["rank"], f"{r['bytes'] / GIB:.2f}", f"{r['seconds']:.2f}",
                          f"{rate / GIB:.2f}", ratio, mem])
         if tp > 1:
-            total = sum(r["bytes"] for r in ranks)
-            wall = max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
+            total, wall = sum(r["bytes"] for r in ranks), _wall(ranks)
             rows.append([f"TP {tp} total: {tp} ranks' bytes / wall", tp, "all", f"{total / GIB:.2f}", f"{wall:.2f}",
                          f"{total / wall / GIB:.2f}", f"{total / wall / plain_rate:.2f}", "-"])
         out["tp"][tp] = ranks
@@ -271,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=sorted(SIZES), help="checkpoint to write when --dir has none "
                                                          "(default: small on cpu, air on gpu)")
     p.add_argument("--num-gpus", type=int, help="GPUs the ranks spread over (default: every visible one)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each measurement this many times (fresh processes) and keep the fastest")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     p.add_argument("--json", type=Path, help="also write every figure here")
     return p
