@@ -187,9 +187,7 @@ def model_worker(args: dict) -> None:
     _sync(args["backend"], gpu)
     end = time.time()
     peak = _peak_rss()
-    F = model.F
-    param_bytes = sum(math.prod(p.shape) * (2 if F.dtype_name(p) in ("bfloat16", "float16") else 4)
-                      for p in model.parameters())
+    param_bytes = sum(math.prod(p.shape) * p.element_size() for p in model.parameters())
     config = Glm4MoeConfig.from_pretrained(args["dir"])
     read = sum(part.nbytes for _, plan in iter_rank_plan(Checkpoint(args["dir"]), config,
                                                           TPShard(config, rank, world)) for part in plan.parts)
