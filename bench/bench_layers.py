@@ -155,8 +155,6 @@ def hf_state_from_ours(ours: torch.nn.Module, config, layer_idx: int, hf_keys: s
     checkpoint loader's plan (``glm_fused.checkpoint.load_plan``) run backwards, so the names
     and the q/k/v, gate/up and expert layouts are the loader's own. ``hf_keys`` (the layer's
     state_dict names) choose per-expert or stacked experts, as a checkpoint's names do."""
-    import numpy as np
-
     from glm_fused.checkpoint import load_plan
     from glm_fused.sharding import TPShard
 
@@ -168,19 +166,13 @@ def hf_state_from_ours(ours: torch.nn.Module, config, layer_idx: int, hf_keys: s
         if not name.startswith(dst):
             continue
         tensor = ours_params[name.removeprefix(dst)]
-        # (read, our tensor or one expert's slice of it, the axis its reads are concatenated on)
-        groups = [(p.parts, tensor, p.axis)]
-        if p.stack:  # experts: each expert's reads concatenated on its own axis 0
-            per_expert = len(p.parts) // tensor.shape[0]
-            groups = [(p.parts[e * per_expert:(e + 1) * per_expert], tensor[e], 0) for e in range(tensor.shape[0])]
-        for reads, t, axis in groups:
-            shapes = [np.broadcast_to(0, full[r.name])[r.index].shape for r in reads]
-            for r, piece in zip(reads, t.split([s[axis] for s in shapes], dim=axis)):
-                key = r.name.removeprefix(src)
-                if tuple(piece.shape) == tuple(full[r.name]):
-                    out[key] = piece
-                else:  # a piece of one checkpoint tensor (stacked experts' gate and up rows)
-                    out.setdefault(key, t.new_empty(full[r.name]))[r.index] = piece
+        for r in p.parts:  # checkpoint slice r.name[r.index] is our tensor[r.dst]
+            piece = tensor[r.dst] if r.dst else tensor
+            key = r.name.removeprefix(src)
+            if tuple(piece.shape) == tuple(full[r.name]):
+                out[key] = piece
+            else:  # a piece of one checkpoint tensor (stacked experts' gate and up rows)
+                out.setdefault(key, tensor.new_empty(full[r.name]))[r.index] = piece
     return out
 
 

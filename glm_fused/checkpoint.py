@@ -1,9 +1,11 @@
 """Hugging Face GLM-4.5 checkpoints -> the weights one tensor-parallel rank holds.
 
-Framework-free. Maps checkpoint names onto the model's parameter names (docs/design.md),
-stacks q/k/v and gate/up, slices each tensor to this rank while reading (so a rank's peak
-memory stays near its shard), and is strict: a missing, unexpected or misshaped tensor, or
-a missing or truncated shard, is a UserError naming the tensor and file.
+Framework-free. The load plan maps checkpoint names onto the model's parameter names
+(docs/design.md): which slice of which checkpoint tensor this rank reads, and where it lands
+in which parameter (q/k/v and gate/up stacked, experts stacked). It reads nothing itself: a
+framework's weight writer copies each slice, as stored, straight into its parameter
+(``glm_fused.model.loader``). It is strict: a missing, unexpected, misshaped or non-float
+tensor, or a missing or truncated shard, is a UserError naming the tensor and file.
 
 Both expert layouts seen in the wild are accepted: the original per-expert names
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``) and transformers-5 fused experts
@@ -15,16 +17,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from glm_fused.config import Glm4MoeConfig
 from glm_fused.errors import UserError
-from glm_fused.safetensors_io import SafetensorsFile
+from glm_fused.safetensors_io import FLOAT_DTYPES, RAW_DTYPES, SafetensorsFile, slice_shape
 from glm_fused.sharding import TPShard
 
 logger = logging.getLogger("glm_fused.checkpoint")
@@ -80,25 +83,64 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.files[self.location[name]].shape(name)
 
-    def read(self, name: str, index: tuple | None = None) -> np.ndarray:
-        return self.files[self.location[name]].read(name, index)
+    def file(self, name: str) -> SafetensorsFile:
+        return self.files[self.location[name]]
 
 
 # ---- the load plan -------------------------------------------------------------------
 
-@dataclass
-class _Read:
-    name: str       # checkpoint tensor
-    index: tuple    # numpy index of this rank's part
+@dataclass(frozen=True)
+class Part:
+    """One read of the load plan: checkpoint tensor ``name[index]`` lands in ``parameter[dst]``.
+
+    A framework's weight writer copies it (``glm_fused.model.loader``): the slice is read as
+    stored (``dtype``: bf16, fp8, fp32, ...) and converted once, into the parameter.
+    """
+    name: str                             # checkpoint tensor
+    index: tuple                          # this rank's slice of it (basic slices)
+    shape: tuple[int, ...]                # of that slice
+    dst: tuple = ()                       # where it goes in the parameter; () = all of it
+    source: SafetensorsFile | None = None  # the shard holding it (set by ``validate``)
+
+    @property
+    def dtype(self) -> str:
+        """As stored: ``BF16``, ``F32``, ``F8_E4M3``, ..."""
+        return self.source.dtype(self.name)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(RAW_DTYPES[self.dtype]).itemsize
 
 
 @dataclass
 class _Param:
     shape: tuple[int, ...]                 # on this rank
     kind: str                              # weight | bias | norm | router
-    parts: list[_Read] = field(default_factory=list)
+    parts: list[Part] = field(default_factory=list)
     axis: int = 0                          # parts are concatenated along this axis
     stack: bool = False                    # parts are stacked on a new axis 0 (experts)
+
+    def __post_init__(self):
+        """Place every part: its ``dst`` in this parameter, checked to tile it exactly."""
+        groups = [(self.parts, (), self.axis, self.shape)]
+        if self.stack:  # expert e's parts are concatenated along axis 0 of param[e]
+            per = len(self.parts) // self.shape[0]
+            groups = [(self.parts[e * per:(e + 1) * per], (e,), 0, self.shape[1:]) for e in range(self.shape[0])]
+        placed = []
+        for parts, lead, axis, shape in groups:
+            if len(parts) == 1 and parts[0].shape == tuple(shape) and not lead:
+                placed.append(parts[0])
+                continue
+            at = 0
+            for p in parts:
+                n = p.shape[axis]
+                if p.shape[:axis] + p.shape[axis + 1:] != tuple(shape[:axis]) + tuple(shape[axis + 1:]):
+                    raise AssertionError(f"{p.name}{p.shape} does not fit a parameter slice of {shape}")
+                placed.append(replace(p, dst=lead + (slice(None),) * axis + (slice(at, at + n),)))
+                at += n
+            if at != shape[axis]:  # a planning bug, not a user error
+                raise AssertionError(f"parts of {[p.name for p in parts]} fill {at} of {shape[axis]} rows")
+        self.parts = placed
 
 
 def _rows(a: int, b: int) -> tuple:
@@ -121,9 +163,9 @@ def load_plan(config: Glm4MoeConfig, shard: TPShard, names: set[str]) -> tuple[d
     params: dict[str, _Param] = {}
     full: dict[str, tuple] = {}
 
-    def read(name: str, shape: tuple, index: tuple) -> _Read:
+    def read(name: str, shape: tuple, index: tuple) -> Part:
         full[name] = shape
-        return _Read(name, index)
+        return Part(name, index, slice_shape(shape, index))
 
     q0, q1 = s.q_heads()
     k0, k1 = s.kv_heads()
@@ -167,10 +209,10 @@ def load_plan(config: Glm4MoeConfig, shard: TPShard, names: set[str]) -> tuple[d
             (E,), "router", [read(f"{mlp}gate.e_score_correction_bias", (E,), ())])
         local_i = s.moe_intermediate_size
         if f"{mlp}experts.gate_up_proj" in names:  # transformers-5 fused experts
-            gate_up = read(f"{mlp}experts.gate_up_proj", (E, 2 * I, H), ())
+            name = f"{mlp}experts.gate_up_proj"
             params[f"{dst}mlp.experts.gate_up_proj"] = _Param((e1 - e0, 2 * local_i, H), "weight", [
-                _Read(gate_up.name, (slice(e0, e1), slice(a, b))),
-                _Read(gate_up.name, (slice(e0, e1), slice(I + a, I + b)))], axis=1)
+                read(name, (E, 2 * I, H), (slice(e0, e1), slice(a, b))),
+                read(name, (E, 2 * I, H), (slice(e0, e1), slice(I + a, I + b)))], axis=1)
             params[f"{dst}mlp.experts.down_proj"] = _Param((e1 - e0, H, local_i), "weight", [
                 read(f"{mlp}experts.down_proj", (E, H, I), (slice(e0, e1), slice(None), slice(a, b)))])
         else:
@@ -215,7 +257,8 @@ def _is_mtp(name: str, config: Glm4MoeConfig) -> bool:
 
 
 def validate(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard) -> dict[str, _Param]:
-    """Check names and shapes against the config before any tensor is read."""
+    """Check names, shapes and dtypes against the config before any tensor is read; return the
+    rank's plan with every part's shard attached."""
     params, full = load_plan(config, shard, ckpt.names)
     missing = [n for n in full if n not in ckpt.location]
     if missing:
@@ -225,70 +268,85 @@ def validate(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard) -> dict[st
         if tuple(ckpt.shape(name)) != tuple(shape):
             raise UserError(f"{ckpt.file_of(name)}: tensor {name!r} has shape {list(ckpt.shape(name))}, "
                             f"expected {list(shape)} for this config")
+        if ckpt.file(name).dtype(name) not in FLOAT_DTYPES:
+            raise UserError(f"{ckpt.file_of(name)}: tensor {name!r} has dtype {ckpt.file(name).dtype(name)}, "
+                            f"expected a floating-point dtype ({', '.join(FLOAT_DTYPES)})")
     unexpected = sorted(n for n in ckpt.names if n not in full and not _is_mtp(n, config))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise UserError(f"{ckpt.file_of(unexpected[0])}: unexpected tensor {unexpected[0]!r}{more} "
                         f"(not part of a {config.num_hidden_layers}-layer glm4_moe model)")
+    for p in params.values():
+        p.parts = [replace(part, source=ckpt.file(part.name)) for part in p.parts]
     return params
 
 
-def iter_rank_weights(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard,
-                      progress: bool = False) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield ``(parameter name, float32 array in this rank's shape)`` for every parameter."""
+def iter_rank_plan(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard,
+                   progress: bool = False) -> Iterator[tuple[str, _Param]]:
+    """Yield ``(parameter name, its plan)`` for every parameter of this rank, after ``validate``.
+
+    A plan's ``parts`` say which slice of which checkpoint tensor lands where in the parameter
+    (``Part``); nothing is read here. ``progress``: a bar over the bytes of the parts, advanced
+    as each parameter is handed back done.
+    """
     params = validate(ckpt, config, shard)
     mtp = [n for n in ckpt.names if _is_mtp(n, config)]
     if mtp and progress:
         logger.info("skipping %d tensors of the MTP block (layer %d): used only for speculative decoding",
                     len(mtp), config.num_hidden_layers)
-    bar = _progress(len(params)) if progress else None
+    bar = _progress(sum(part.nbytes for p in params.values() for part in p.parts)) if progress else None
     for name, p in params.items():
-        if p.stack:  # experts: fill one array expert by expert (no second full-size copy)
-            value = np.empty(p.shape, dtype=np.float32)
-            per_expert = len(p.parts) // p.shape[0]
-            for e in range(p.shape[0]):
-                reads = p.parts[e * per_expert:(e + 1) * per_expert]
-                value[e] = np.concatenate([ckpt.read(r.name, r.index) for r in reads], axis=0)
-        else:
-            arrays = [ckpt.read(r.name, r.index) for r in p.parts]
-            value = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=p.axis)
-        if value.shape != p.shape:  # a planning bug, not a user error
-            raise AssertionError(f"{name}: built {value.shape}, planned {p.shape}")
-        yield name, value
+        yield name, p
         if bar is not None:
-            bar.update(1)
+            bar.update(sum(part.nbytes for part in p.parts))
     if bar is not None:
         bar.close()
 
 
-def _progress(total: int):
+def iter_rank_weights(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard,
+                      progress: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(parameter name, float32 array in this rank's shape)`` for every parameter: the plan
+    carried out in numpy (tools and tests; the model's loader copies into its parameters)."""
+    for name, p in iter_rank_plan(ckpt, config, shard, progress):
+        value = np.empty(p.shape, dtype=np.float32)
+        for part in p.parts:
+            part.source.read_into(value[part.dst], part.name, part.index)
+        yield name, value
+
+
+def _progress(total_bytes: int):
     try:
         from tqdm import tqdm
     except ImportError:  # progress is a nicety, never a requirement
         return None
-    return tqdm(total=total, desc="loading weights", unit="tensor", dynamic_ncols=True)
+    return tqdm(total=total_bytes, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024,
+                dynamic_ncols=True)
 
 
 def load_rank_weights(model_dir: str | Path, config: Glm4MoeConfig, shard: TPShard,
-                      shapes: dict[str, tuple[int, ...]], assign, progress: bool = False) -> None:
-    """Read this rank's weights and hand each to ``assign(name, array)``, strictly.
+                      shapes: dict[str, tuple[int, ...]], write, progress: bool = False) -> int:
+    """Hand this rank's plan, parameter by parameter, to ``write(name, parts)``, strictly; return
+    the bytes of checkpoint data the parts read (as stored).
 
     ``shapes`` are the model's own parameters (name -> shape on this rank): every one must be
-    assigned exactly once, with its shape, and the plan may name no other. The backend's
-    ``assign`` only copies (and casts) the float32 array into its tensor.
+    written exactly once, with its shape, and the plan may name no other. ``write`` copies each
+    ``Part`` into the parameter (see ``Part``).
     """
     loaded: set[str] = set()
-    for name, array in iter_rank_weights(Checkpoint(model_dir), config, shard, progress=progress):
+    nbytes = 0
+    for name, p in iter_rank_plan(Checkpoint(model_dir), config, shard, progress=progress):
         if name not in shapes:
             raise UserError(f"{model_dir}: the load plan names {name!r}, which the model has no parameter for")
         if name in loaded:
             raise UserError(f"{model_dir}: parameter {name!r} would be loaded twice")
-        if tuple(array.shape) != tuple(shapes[name]):
-            raise UserError(f"{model_dir}: tensor for {name!r} has shape {list(array.shape)}, "
+        if tuple(p.shape) != tuple(shapes[name]):
+            raise UserError(f"{model_dir}: tensor for {name!r} has shape {list(p.shape)}, "
                             f"the parameter on rank {shard.rank} is {list(shapes[name])}")
-        assign(name, array)
+        write(name, p.parts)
+        nbytes += sum(part.nbytes for part in p.parts)
         loaded.add(name)
     missing = sorted(set(shapes) - loaded)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise UserError(f"{model_dir}: no weights loaded for parameter {missing[0]!r}{more}")
+    return nbytes

@@ -51,10 +51,11 @@ class ModelRunner:
             self.comm = F.dist.TPComm(tp_rank, tp_size)
             self.model = layers.Glm4MoeForCausalLM(config, tp_rank=tp_rank, tp_size=tp_size, fused=args.fused,
                                                    comm=self.comm, dtype=args.dtype, max_position=args.max_model_len)
+        self.load_stats = None  # LoadStats of this rank's checkpoint read (None with dummy weights)
         if args.load_format == "dummy":
             dummy_weights(self.model, args.seed)
         else:
-            load_weights(self.model, args.model_dir, progress=tp_rank == 0)
+            self.load_stats = load_weights(self.model, args.model_dir, progress=tp_rank == 0)
         self.model.eval()
         # Decode steps replay CUDA graphs where the framework has them (not with --enforce-eager);
         # the graphs' padding rows get a scratch KV slot past the engine's.

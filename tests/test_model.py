@@ -464,20 +464,23 @@ def test_loader_fills_this_ranks_slices_in_their_dtypes(ckpts, framework):
 
 def test_loader_requires_each_parameter_exactly_once(ckpts, monkeypatch):
     """The load plan's bookkeeping, with the plan bent to skip, repeat or misshape a tensor."""
+    from types import SimpleNamespace
+
     from glm_fused import checkpoint
 
-    real = checkpoint.iter_rank_weights
+    real = checkpoint.iter_rank_plan
 
     def bent(change):
-        monkeypatch.setattr(checkpoint, "iter_rank_weights", lambda *a, **k: change(real(*a, **k)))
+        monkeypatch.setattr(checkpoint, "iter_rank_plan", lambda *a, **k: change(real(*a, **k)))
 
-    bent(lambda items: ((n, a) for n, a in items if n != "layers.0.mlp.down_proj.weight"))
+    bent(lambda items: ((n, p) for n, p in items if n != "layers.0.mlp.down_proj.weight"))
     with pytest.raises(UserError, match=r"no weights loaded for parameter 'layers\.0\.mlp\.down_proj\.weight'"):
         _load("torch", ckpts["A"])
-    bent(lambda items: (x for n, a in items for x in ([(n, a)] * (2 if n == "norm.weight" else 1))))
+    bent(lambda items: (x for n, p in items for x in ([(n, p)] * (2 if n == "norm.weight" else 1))))
     with pytest.raises(UserError, match=r"'norm\.weight' would be loaded twice"):
         _load("torch", ckpts["A"])
-    bent(lambda items: ((n, a[:-1] if n == "lm_head.weight" else a) for n, a in items))
+    shorter = lambda p: SimpleNamespace(shape=(p.shape[0] - 1, *p.shape[1:]), parts=p.parts)  # noqa: E731
+    bent(lambda items: ((n, shorter(p) if n == "lm_head.weight" else p) for n, p in items))
     with pytest.raises(UserError, match=r"'lm_head\.weight' has shape \[255, 64\]"):
         _load("torch", ckpts["A"])
 

@@ -49,7 +49,7 @@ class Ops:
     def device_scope(self, device=None): raise NotImplementedError  # where new parameters land
     def device_of(self, x): raise NotImplementedError
     def check_dtype(self, dtype, flag: str = "--dtype") -> str: raise NotImplementedError
-    def copy_into(self, param, array) -> None: raise NotImplementedError  # a host array into a parameter
+    def weight_writer(self, device): raise NotImplementedError  # copies checkpoint.Part slices into parameters
     def fill(self, param, value: float) -> None: raise NotImplementedError
     def fill_normal(self, param, std: float, key: str) -> None: raise NotImplementedError  # seeded by key
     # maths and shapes (torch's semantics)

@@ -16,6 +16,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as PF
 from paddle import nn
+from paddle.base.framework import EagerParamBase
 
 from glm_fused.errors import UserError
 from glm_fused.model.module import bind
@@ -51,8 +52,11 @@ class PaddleOps(Ops):
         return x if self.dtype_name(x) == dtype else x.astype(dtype)
 
     def param(self, module, shape, dtype, fill):
-        param = module.create_parameter(shape=list(shape), dtype=dtype,
-                                        default_initializer=nn.initializer.Constant(0.0 if fill is None else fill))
+        if fill is None:  # uninitialised, as torch.empty: the loader writes every byte, once
+            param = EagerParamBase.from_tensor(paddle.empty(list(shape), dtype=dtype))
+        else:
+            param = module.create_parameter(shape=list(shape), dtype=dtype,
+                                            default_initializer=nn.initializer.Constant(fill))
         param.stop_gradient = True
         return param
 
@@ -90,9 +94,10 @@ class PaddleOps(Ops):
         major, minor = paddle.device.cuda.get_device_capability()
         return major * 10 + minor
 
-    def copy_into(self, param, array: np.ndarray) -> None:
-        # float32 host array -> device, then the cast (numpy has no bfloat16).
-        param.set_value(paddle.to_tensor(array, dtype="float32").astype(param.dtype))
+    def weight_writer(self, device):
+        from glm_fused.paddle_backend.weights import PaddleWeightWriter
+
+        return PaddleWeightWriter(device)
 
     def fill(self, param, value: float) -> None:
         param.set_value(paddle.full(param.shape, value, dtype=param.dtype))

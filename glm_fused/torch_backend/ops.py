@@ -109,8 +109,10 @@ class TorchOps(Ops):
         major, minor = torch.cuda.get_device_capability(device)
         return major * 10 + minor
 
-    def copy_into(self, param, array: np.ndarray) -> None:
-        param.copy_(torch.from_numpy(array))
+    def weight_writer(self, device):
+        from glm_fused.torch_backend.weights import TorchWeightWriter
+
+        return TorchWeightWriter(device)
 
     def fill(self, param, value: float) -> None:
         param.fill_(value)
