@@ -1,5 +1,9 @@
 """ModelRunner: one rank's model, weights, KV cache and fused-op kernel; ForwardBatch in, logits out.
 
+The runner sizes the paged KV cache (``glm_fused.kv_cache``): after the weights and the fused
+op's workspace, it profiles a forward on a GPU, agrees on a block count with the other ranks,
+and settles ``args.max_model_len`` and ``args.num_kv_blocks`` for the engine.
+
 Written once for both frameworks: ``args.backend`` names the framework, whose layer classes
 (its ``LAYERS``, ``glm_fused.model.bind``) build the model and whose ops (``F``) do the tensor work.
 """
@@ -10,8 +14,9 @@ import logging
 
 import numpy as np
 
+from glm_fused import kv_cache
 from glm_fused.backends import get_backend
-from glm_fused.batch import ForwardBatch
+from glm_fused.batch import ForwardBatch, slot_block_tables
 from glm_fused.comm import device_index, shares_gpu
 from glm_fused.config import Glm4MoeConfig
 from glm_fused.engine_args import EngineArgs
@@ -31,6 +36,7 @@ class ModelRunner:
         F = self.F = layers.F
         self.args, self.config = args, config
         self.device = F.dist.device()
+        self._memory_at_start = F.memory_info(self.device)  # (free, total) on a GPU, before anything is ours
         with F.device_scope(self.device):
             self.comm = F.dist.TPComm(tp_rank, tp_size)
             self.model = layers.Glm4MoeForCausalLM(config, tp_rank=tp_rank, tp_size=tp_size, fused=args.fused,
@@ -40,16 +46,56 @@ class ModelRunner:
         else:
             load_weights(self.model, args.model_dir, progress=tp_rank == 0)
         self.model.eval()
-        # Decode steps replay CUDA graphs where the framework has them (not with --enforce-eager);
-        # the graphs' padding rows get a scratch KV slot past the engine's.
-        use_graphs = not args.enforce_eager and F.can_capture(self.model)
-        self.kv_caches = self.model.make_kv_caches(args.max_num_seqs + int(use_graphs), args.max_model_len)
         setup_fusion(self.comm, fused=args.fused, fusion_impl=args.fusion_impl, sm=F.gpu_sm(self.device),
                      hidden_size=config.hidden_size, dtype=args.dtype,
                      max_num_batched_tokens=args.max_num_batched_tokens, kernel_args=self._kernel_args,
                      shares_gpu=shares_gpu())
-        # After setup_fusion: the fused all-reduce workspace must exist before capture.
-        self.graphs = self._capture() if use_graphs else None
+        # After the workspace (the profiled forward uses it), before the graphs (they point into the cache).
+        self.kv = self._size_kv_cache()
+        args.max_model_len, args.num_kv_blocks = self.kv.max_model_len, self.kv.num_blocks
+        self.kv_caches = self.model.make_kv_caches(self.kv.num_blocks, args.block_size)
+        # Decode steps replay CUDA graphs where the framework has them (not with --enforce-eager).
+        self.graphs = self._capture() if not args.enforce_eager and F.can_capture(self.model) else None
+
+    def _size_kv_cache(self) -> kv_cache.KVCacheSize:
+        """The block count (the smallest of every rank's) and the context limit it allows."""
+        a, limit = self.args, self.config.max_position_embeddings
+        block_bytes = self.model.kv_cache_block_bytes(a.block_size)
+        gpu_bytes = None
+        if a.num_gpu_blocks_override is None and self._memory_at_start is not None:
+            gpu_bytes = self._profile()
+        num_blocks, source = kv_cache.count_blocks(a, limit, block_bytes, gpu_bytes)
+        if self.comm.size > 1:
+            num_blocks = min(self.comm.all_gather_object(num_blocks))
+        return kv_cache.settle(a, limit, num_blocks, block_bytes, source)
+
+    def _profile(self) -> int:
+        """Bytes left for the KV cache on this GPU, after a forward of ``max_num_batched_tokens``
+        tokens (the largest step) with logits for ``max_num_seqs`` rows (the largest decode)."""
+        F, a, dev = self.F, self.args, self.device
+        tokens = a.max_num_batched_tokens
+        blocks = kv_cache.cdiv(tokens, a.block_size)
+        batch = ForwardBatch.prefill([[0] * tokens], np.arange(blocks)[None, :])
+        batch.logits_indices = np.arange(tokens - min(tokens, a.max_num_seqs), tokens)
+        F.reset_peak_memory(dev)
+        with F.no_grad():
+            caches = self.model.make_kv_caches(blocks, a.block_size)
+            like = self.model.embed_tokens.weight
+            hidden = self.model(F.tensor(batch.input_ids, like), F.tensor(batch.positions, like), batch, caches)
+            F.to_numpy(F.float32(self.model.compute_logits(hidden)))
+        F.synchronize(dev)
+        peak = F.peak_memory(dev)
+        del caches, hidden
+        F.empty_cache(dev)
+        free_at_start, total = self._memory_at_start
+        free_now, _ = F.memory_info(dev)
+        outside = max(0, (free_at_start - free_now) - F.reserved_memory(dev))
+        return kv_cache.gpu_budget(a.gpu_memory_utilization, free_at_start, total, peak, outside)
+
+    def slot_tables(self, slots) -> np.ndarray:
+        """Block tables for driving this runner with one fixed slot of ``max_model_len`` positions
+        per sequence (tools and tests; needs ``num_gpu_blocks_override = args.slot_blocks()``)."""
+        return slot_block_tables(slots, kv_cache.cdiv(self.args.max_model_len, self.args.block_size))
 
     def _kernel_args(self):
         """The fused kernel's workspace dtype and device, as torch names them (the adapter is torch)."""
@@ -63,7 +109,7 @@ class ModelRunner:
         graphs, error = None, None
         try:
             graphs = self.F.capture_decode_graphs(self.model, self.kv_caches, self.args.max_num_seqs,
-                                                  pad_slot=self.args.max_num_seqs)
+                                                  kv_cache.cdiv(self.args.max_model_len, self.args.block_size))
         except Exception as exc:  # noqa: BLE001 - any capture failure means eager decode
             error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             self.F.synchronize(self.device)
@@ -100,8 +146,8 @@ class ModelRunner:
         if batch.num_seqs > a.max_num_seqs or batch.num_tokens > a.max_num_batched_tokens:
             raise ValueError(f"batch of {batch.num_seqs} sequences / {batch.num_tokens} tokens exceeds "
                              f"max_num_seqs={a.max_num_seqs} / max_num_batched_tokens={a.max_num_batched_tokens}")
-        if batch.num_seqs and (batch.slots.min() < 0 or batch.slots.max() >= a.max_num_seqs):
-            raise ValueError(f"KV-cache slot outside 0..{a.max_num_seqs - 1}: {batch.slots.tolist()}")
+        if batch.num_seqs and (batch.block_tables.min() < 0 or batch.block_tables.max() >= a.num_kv_blocks):
+            raise ValueError(f"KV-cache block outside 0..{a.num_kv_blocks - 1} in the block tables")
         ends = batch.context_lens + batch.query_lens
         if batch.num_seqs and ends.max() > a.max_model_len:
             raise ValueError(f"sequence of {int(ends.max())} tokens exceeds max_model_len={a.max_model_len}")

@@ -436,7 +436,8 @@ def fake_server(request):
     http.start()
     assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503  # not loaded yet
     settings = EngineArgs(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=8)
-    bridge.engine = LLMEngine(FakeRunner(2, 64, vocab=1024), settings, vocab_size=1024, tokenizer=tokenizer)
+    runner = FakeRunner(settings.slot_blocks(), settings.block_size, vocab=1024)
+    bridge.engine = LLMEngine(runner, settings, vocab_size=1024, tokenizer=tokenizer)
     bridge.loop_error = None
 
     def engine_loop():

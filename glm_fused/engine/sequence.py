@@ -1,4 +1,4 @@
-"""One request's state in the engine: tokens, KV-cache slot, progress, text, timings."""
+"""One request's state in the engine: tokens, KV-cache blocks, progress, text, timings."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from glm_fused.engine.sampling import SamplingParams
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"    # queued, owns no KV-cache slot
-    RUNNING = "running"    # owns a slot; prefilling or decoding
-    FINISHED = "finished"  # slot returned
+    WAITING = "waiting"    # queued (new, or preempted: to be recomputed), holds no KV-cache blocks
+    RUNNING = "running"    # holds blocks; prefilling or decoding
+    FINISHED = "finished"  # blocks returned
 
 
 class Sequence:
-    """A request: its prompt, generated tokens, slot, and how much of it is cached."""
+    """A request: its prompt, generated tokens, KV-cache blocks, and how much of it is cached."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  detokenizer=None, arrival_time: float | None = None):
@@ -26,8 +26,14 @@ class Sequence:
         self.params = params
         self.output_token_ids: list[int] = []
         self.status = Status.WAITING
-        self.slot: int | None = None
         self.num_computed = 0     # tokens whose keys/values are in the cache
+        # KV-cache bookkeeping (glm_fused.engine.block_manager): the blocks held, in position
+        # order; the chained hashes of full blocks (computed once: tokens never change); how
+        # many leading blocks are in the prefix cache.
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
+        self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.rng = params.make_generator()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -155,9 +155,10 @@ def _observe(metrics: ServerMetrics, outs: list[RequestOutput]) -> None:
 
 # ---- the FastAPI app ---------------------------------------------------------------------
 def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str, tokenizer,
-               max_model_len: int, api_key: str | None = None, info: dict | None = None) -> FastAPI:
+               max_model_len: int | None, api_key: str | None = None, info: dict | None = None) -> FastAPI:
     """``info``: what the server runs (backend, TP, layout, fusion...), shown in /v1/models;
-    the caller may fill it in after the model has loaded."""
+    the caller may fill it in after the model has loaded. ``max_model_len``: the context limit
+    if known before loading (None: the engine's, once loaded)."""
     info = {} if info is None else info
     app = FastAPI(title="glm_fused", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -219,9 +220,12 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
 
     @app.get("/v1/models")
     async def models():
-        card = P.model_card(model_name, max_model_len)
+        engine = bridge.engine
+        card = P.model_card(model_name, engine.max_model_len if engine is not None else max_model_len)
         if info:
             card["glm_fused"] = info
+            if engine is not None:
+                card["glm_fused"] = {**info, "kv_cache": {**info.get("kv_cache", {}), **engine.kv_cache_stats()}}
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
@@ -245,7 +249,7 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
         params = req.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
         check_fits(engine, ids, params, "prompt", req.max_tokens is not None)
         if req.max_tokens is None:
-            params.max_tokens = min(params.max_tokens, max_model_len - len(ids))
+            params.max_tokens = min(params.max_tokens, engine.max_model_len - len(ids))
         check_text_features(params)
         rid = P.new_id("cmpl")
         show_ids = req.return_token_ids or tokenizer is None
@@ -271,7 +275,7 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
         except UserError as exc:
             raise P.ApiError(400, str(exc), param="messages") from None
         ids = tokenizer.encode(text, add_special_tokens=False)
-        params = req.sampling_params(max(1, max_model_len - len(ids)))
+        params = req.sampling_params(max(1, engine.max_model_len - len(ids)))
         check_fits(engine, ids, params, "messages", req.max_tokens is not None)
         rid = P.new_id("chatcmpl")
         results = bridge.submit(rid, ids, params)

@@ -94,11 +94,15 @@ class ServerMetrics:
         self.tpot = Histogram("time_per_output_token_seconds",
                               "Per request: (last token - first token) / (generated tokens - 1).")
         self.e2e = Histogram("e2e_request_latency_seconds", "Arrival to finish.")
-        self.running = Gauge("num_requests_running", "Requests holding a KV-cache slot.")
-        self.waiting = Gauge("num_requests_waiting", "Requests queued for a slot.")
+        self.running = Gauge("num_requests_running", "Requests running (holding KV-cache blocks).")
+        self.waiting = Gauge("num_requests_waiting", "Requests waiting (new, or preempted to be recomputed).")
         self.steps = Counter("engine_steps_total", "Model forwards run by the engine.")
         self.step_tokens = Counter("engine_step_tokens_total", "Tokens fed to the model over all forwards.")
         self.forward_seconds = Counter("engine_forward_seconds_total", "Time in model forwards (rank 0).")
+        self.kv_usage = Gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0 to 1).")
+        self.prefix_queries = Counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = Counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
+        self.preemptions = Counter("num_preemptions_total", "Requests preempted (KV blocks given back, recomputed).")
         self.fusion = Counter("allreduce_calls_total",
                               "All-reduces on rank 0, by kind (fused with residual + RMSNorm, or plain) "
                               "and implementation.")
@@ -135,6 +139,11 @@ class ServerMetrics:
             self.steps.values[()] = engine.num_steps
             self.step_tokens.values[()] = engine.num_forward_tokens
             self.forward_seconds.values[()] = round(engine.forward_seconds, 6)
+            kv = engine.kv_cache_stats()
+            self.kv_usage.set(kv["usage"])
+            self.prefix_queries.values[()] = kv["prefix_cache_queries"]
+            self.prefix_hits.values[()] = kv["prefix_cache_hits"]
+            self.preemptions.values[()] = kv["num_preemptions"]
             for key, total in engine.fusion_totals.items():
                 kind, _, impl = key.partition(":")
                 labels = {"kind": kind} if not impl else {"kind": kind, "impl": impl}
@@ -146,6 +155,7 @@ class ServerMetrics:
             lines: list[str] = []
             for metric in (self.requests, self.errors, self.prompt_tokens, self.generation_tokens, self.ttft,
                            self.tpot, self.e2e, self.running, self.waiting, self.steps, self.step_tokens,
-                           self.forward_seconds, self.fusion):
+                           self.forward_seconds, self.kv_usage, self.prefix_queries, self.prefix_hits,
+                           self.preemptions, self.fusion):
                 lines.extend(metric.lines())
             return "\n".join(lines) + "\n"
