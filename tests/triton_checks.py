@@ -14,20 +14,6 @@ import sys
 
 import torch
 
-def _interpreter_numpy2_fix() -> None:
-    """Triton's CPU interpreter turns a one-element array into an int with ``int(array)``,
-    which numpy 2 refuses for 1-d arrays (program ids are such arrays); index them instead."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max |a - b| / max |b|
 
 
@@ -260,6 +246,8 @@ if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     dt = getattr(torch, sys.argv[2] if len(sys.argv) > 2 else "float32")
     if dev == "cpu":
-        _interpreter_numpy2_fix()
+        from glm_fused.torch_backend.kernels import interpreter_numpy2_fix
+
+        interpreter_numpy2_fix()
     for name, fn in CHECKS.items():
         print(json.dumps({"check": name, **fn(dev, dt)}), flush=True)

@@ -3,10 +3,20 @@
 Each request streams ``/v1/completions`` with a random token-id prompt of ``--input-len``
 tokens and ``ignore_eos`` so it generates exactly ``--output-len`` tokens (token-id prompts
 work even on a server without a tokenizer). Reported per server: requests/s, output
-tokens/s, time to first token and time per output token (median and p99). Servers are
-measured one after another, never at the same time.
+tokens/s, time to first token and time per output token (median and p99), and, from the
+server's /metrics polled during the run, the most requests running at once, the peak KV-cache
+usage and the preemptions. Servers are measured one after another, never at the same time.
 
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --url http://127.0.0.1:8001
+
+Two checks for the paged KV cache:
+
+* ``--min-running N``: exit 1 unless at least N requests ran at once (e.g. 256 clients of
+  ~1,000 tokens in a cache of 262,144 positions: ``--min-running 240``);
+* ``--prefix-cache-ttft``: one client sends ``--num-requests`` pairs of requests, each pair a
+  fresh random prefix of ``--prefix-len`` tokens plus ``--input-len`` new tokens, first with
+  the prefix uncached, then again (other new tokens) with the prefix cached; prints the median
+  time to first token of both and their ratio (``--max-ttft-ratio R``: exit 1 above R).
 """
 
 from __future__ import annotations
@@ -40,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--min-running", type=int, default=None,
+                   help="exit 1 unless at least this many requests ran at once (read from /metrics)")
+    p.add_argument("--prefix-cache-ttft", action="store_true",
+                   help="measure time to first token with a cached vs an uncached prefix (see above)")
+    p.add_argument("--prefix-len", type=int, default=2048, help="--prefix-cache-ttft: shared prefix tokens")
+    p.add_argument("--max-ttft-ratio", type=float, default=None,
+                   help="--prefix-cache-ttft: exit 1 if cached / uncached median TTFT is above this")
     return p
 
 
@@ -76,13 +93,70 @@ async def _model_card(client, url: str) -> dict:
     return resp.json()["data"][0]
 
 
-async def run_round(url: str, args, warmup: list[list[int]], prompts: list[list[int]]) -> tuple[list[dict], float]:
-    """The warm-up prompts one at a time, then the measured ones from --concurrency clients."""
+async def _metrics(client, url: str) -> dict[str, float]:
+    """The server's unlabelled Prometheus samples, by name without the ``glm_fused_`` prefix."""
+    resp = await client.get(f"{url}/metrics")
+    if resp.status_code != 200:
+        return {}
+    out = {}
+    for line in resp.text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
+            out[parts[0].removeprefix("glm_fused_")] = float(parts[1])
+    return out
+
+
+class MetricsWatch:
+    """Polls /metrics while a round runs: the most requests running at once, the peak
+    KV-cache usage, and the preemptions (counter difference)."""
+
+    def __init__(self, client, url: str, every_s: float = 0.1):
+        self.client, self.url, self.every_s = client, url, every_s
+        self.peak_running = self.peak_usage = 0.0
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self._stop = asyncio.Event()
+
+    async def poll(self) -> None:
+        while True:
+            sample = await _metrics(self.client, self.url)
+            self.first = self.first or sample
+            self.last = sample or self.last
+            self.peak_running = max(self.peak_running, sample.get("num_requests_running", 0.0))
+            self.peak_usage = max(self.peak_usage, sample.get("kv_cache_usage_perc", 0.0))
+            if self._stop.is_set():
+                return
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.every_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def result(self) -> dict:
+        def delta(name):
+            return self.last.get(name, 0.0) - self.first.get(name, 0.0)
+
+        return {"peak_running": int(self.peak_running), "peak_kv_usage": self.peak_usage,
+                "preemptions": int(delta("num_preemptions_total")),
+                "prefix_cache_hits": int(delta("prefix_cache_hits_total")),
+                "prefix_cache_queries": int(delta("prefix_cache_queries_total"))}
+
+
+def _client(args, connections: int):
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency + 2)
-    async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
+    return httpx.AsyncClient(timeout=args.timeout, headers=headers,
+                             limits=httpx.Limits(max_connections=connections + 2))
+
+
+async def run_round(url: str, args, warmup: list[list[int]], prompts: list[list[int]]) -> tuple[list[dict], float,
+                                                                                                dict]:
+    """The warm-up prompts one at a time, then the measured ones from --concurrency clients
+    (with /metrics watched meanwhile)."""
+    async with _client(args, args.concurrency) as client:
         model = (await _model_card(client, url))["id"]
         for prompt in warmup:
             await _one(client, url, model, prompt, args)
@@ -95,9 +169,40 @@ async def run_round(url: str, args, warmup: list[list[int]], prompts: list[list[
             while not todo.empty():
                 results.append(await _one(client, url, model, todo.get_nowait(), args))
 
+        watch = MetricsWatch(client, url)
+        poller = asyncio.create_task(watch.poll())
         start = time.perf_counter()
         await asyncio.gather(*[client_loop() for _ in range(args.concurrency)])
-        return results, time.perf_counter() - start
+        wall = time.perf_counter() - start
+        watch.stop()
+        await poller
+        return results, wall, watch.result()
+
+
+async def prefix_cache_round(url: str, args, rng: np.random.Generator) -> dict:
+    """Pairs of one-token requests: a fresh prefix uncached, then the same prefix cached."""
+    one_token = argparse.Namespace(**{**vars(args), "output_len": 1})
+
+    def draw(n):
+        return rng.integers(0, args.vocab_limit, size=n).tolist()
+
+    async with _client(args, 1) as client:
+        model = (await _model_card(client, url))["id"]
+        for _ in range(args.warmup):
+            await _one(client, url, model, draw(args.prefix_len + args.input_len), one_token)
+        before = await _metrics(client, url)
+        uncached, cached = [], []
+        for _ in range(args.num_requests):
+            prefix = draw(args.prefix_len)
+            uncached.append((await _one(client, url, model, prefix + draw(args.input_len), one_token))["ttft"])
+            cached.append((await _one(client, url, model, prefix + draw(args.input_len), one_token))["ttft"])
+        after = await _metrics(client, url)
+    u, c = float(np.median(uncached)) * 1e3, float(np.median(cached)) * 1e3
+    hits = after.get("prefix_cache_hits_total", 0.0) - before.get("prefix_cache_hits_total", 0.0)
+    return {"url": url, "model": model, "pairs": args.num_requests, "prefix_len": args.prefix_len,
+            "new_len": args.input_len, "ttft_uncached_median_ms": u, "ttft_cached_median_ms": c,
+            "ratio": c / u if u else None, "ttft_uncached_ms": [t * 1e3 for t in uncached],
+            "ttft_cached_ms": [t * 1e3 for t in cached], "prefix_cache_hits": int(hits)}
 
 
 async def server_card(url: str, args) -> dict:
@@ -108,7 +213,7 @@ async def server_card(url: str, args) -> dict:
         return await _model_card(client, url)
 
 
-def summarize(url: str, card: dict, results: list[dict], wall: float) -> dict:
+def summarize(url: str, card: dict, results: list[dict], wall: float, watched: list[dict]) -> dict:
     ttft = np.array([r["ttft"] for r in results]) * 1e3
     tpot = np.array([r["tpot"] for r in results if r["tpot"] is not None]) * 1e3
     out_tokens = sum(r["tokens"] for r in results)
@@ -120,6 +225,9 @@ def summarize(url: str, card: dict, results: list[dict], wall: float) -> dict:
         "tpot_median_ms": float(np.median(tpot)) if len(tpot) else None,
         "tpot_p99_ms": float(np.percentile(tpot, 99)) if len(tpot) else None,
         "output_tokens": out_tokens,
+        "peak_running": max(w["peak_running"] for w in watched),
+        "peak_kv_usage": max(w["peak_kv_usage"] for w in watched),
+        "preemptions": sum(w["preemptions"] for w in watched),
     }
 
 
@@ -132,6 +240,7 @@ def bench(urls: list[str], args) -> list[dict]:
                for _ in range(args.num_requests + args.warmup)]
     cards = [asyncio.run(server_card(url, args)) for url in urls]
     samples: list[list[dict]] = [[] for _ in urls]
+    watched: list[list[dict]] = [[] for _ in urls]
     walls = [0.0] * len(urls)
     for r in range(args.rounds):
         for i, url in enumerate(urls):
@@ -139,10 +248,11 @@ def bench(urls: list[str], args) -> list[dict]:
                   f"{args.concurrency}, {args.input_len} in / {args.output_len} out tokens",
                   file=sys.stderr, flush=True)
             warmup = prompts[:args.warmup] if r == 0 else []
-            results, wall = asyncio.run(run_round(url, args, warmup, prompts[args.warmup:]))
+            results, wall, watch = asyncio.run(run_round(url, args, warmup, prompts[args.warmup:]))
             samples[i] += results
             walls[i] += wall
-    return [summarize(url, card, s, w) for url, card, s, w in zip(urls, cards, samples, walls)]
+            watched[i].append(watch)
+    return [summarize(url, card, s, w, m) for url, card, s, w, m in zip(urls, cards, samples, walls, watched)]
 
 
 def _label(result: dict) -> str:
@@ -155,7 +265,9 @@ def _label(result: dict) -> str:
 def format_table(results: list[dict], labels: list[str]) -> str:
     rows = [("requests/s", "requests_per_s", "{:.2f}"), ("output tokens/s", "output_tokens_per_s", "{:.1f}"),
             ("TTFT median (ms)", "ttft_median_ms", "{:.1f}"), ("TTFT p99 (ms)", "ttft_p99_ms", "{:.1f}"),
-            ("TPOT median (ms)", "tpot_median_ms", "{:.1f}"), ("TPOT p99 (ms)", "tpot_p99_ms", "{:.1f}")]
+            ("TPOT median (ms)", "tpot_median_ms", "{:.1f}"), ("TPOT p99 (ms)", "tpot_p99_ms", "{:.1f}"),
+            ("most running", "peak_running", "{:d}"), ("peak KV usage", "peak_kv_usage", "{:.1%}"),
+            ("preemptions", "preemptions", "{:d}")]
     width = max(18, *(len(lb) + 2 for lb in labels))
     lines = ["".ljust(18) + "".join(lb.rjust(width) for lb in labels)]
     for name, key, fmt in rows:
@@ -167,17 +279,31 @@ def format_table(results: list[dict], labels: list[str]) -> str:
     return "\n".join(lines)
 
 
+def format_prefix_table(results: list[dict], labels: list[str]) -> str:
+    lines = []
+    for r, label in zip(results, labels):
+        lines.append(f"{label}: {r['pairs']} pairs, prefix {r['prefix_len']} + {r['new_len']} new tokens: "
+                     f"TTFT median uncached {r['ttft_uncached_median_ms']:.1f} ms, cached "
+                     f"{r['ttft_cached_median_ms']:.1f} ms, cached / uncached {r['ratio']:.3f}x "
+                     f"(prefix-cache hits {r['prefix_cache_hits']} tokens)")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.label and len(args.label) != len(args.url):
             raise UserError("--label: give one per --url")
-        for name in ("num_requests", "concurrency", "input_len", "output_len", "rounds"):
+        for name in ("num_requests", "concurrency", "input_len", "output_len", "rounds", "prefix_len"):
             if getattr(args, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')}: must be at least 1")
         urls = [url.rstrip("/") for url in args.url]
         try:
-            results = bench(urls, args)
+            if args.prefix_cache_ttft:
+                rng = np.random.default_rng(args.seed)
+                results = [asyncio.run(prefix_cache_round(url, args, rng)) for url in urls]
+            else:
+                results = bench(urls, args)
         except (OSError, RuntimeError) as exc:
             raise UserError(f"--url: {exc}") from None
         except Exception as exc:  # httpx's connection and status errors
@@ -187,9 +313,18 @@ def main(argv=None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    labels = args.label or [_label(r) for r in results]
-    print(format_table(results, labels))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)
+    if args.prefix_cache_ttft:
+        print(format_prefix_table(results, args.label or [r["url"] for r in results]))
+        if args.max_ttft_ratio is not None and any(r["ratio"] > args.max_ttft_ratio for r in results):
+            print(f"FAILED: cached / uncached TTFT above --max-ttft-ratio {args.max_ttft_ratio}", file=sys.stderr)
+            return 1
+        return 0
+    labels = args.label or [_label(r) for r in results]
+    print(format_table(results, labels))
+    if args.min_running is not None and any(r["peak_running"] < args.min_running for r in results):
+        print(f"FAILED: fewer than --min-running {args.min_running} requests ran at once", file=sys.stderr)
+        return 1
     return 0
