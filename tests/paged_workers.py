@@ -3,7 +3,8 @@
 One launch per (framework, TP size) builds one ModelRunner (its cache big enough for every
 mode) and runs the same prompts through a fresh engine per mode: prefix caching on (requests
 arriving one step apart, so the later ones find the shared prompt's blocks cached), prefix
-caching off, and a block budget that holds one sequence of the context limit (preemption).
+caching off, and a block budget that holds one sequence of the context limit but not two
+of these (preemption).
 Rank 0 writes ``result.json``; the other ranks replay each forward until rank 0 says stop.
 """
 
@@ -21,8 +22,9 @@ if str(ROOT) not in sys.path:
 MAX_LEN, BLOCK, CACHE_BLOCKS = 112, 16, 64
 MODES = {"prefix_caching": dict(enable_prefix_caching=True, num_kv_blocks=CACHE_BLOCKS, stagger=True),
          "no_prefix_caching": dict(enable_prefix_caching=False, num_kv_blocks=CACHE_BLOCKS, stagger=True),
-         # 7 blocks of 16 = one sequence of MAX_LEN: the six prompts preempt one another
-         "tiny_budget": dict(enable_prefix_caching=True, num_kv_blocks=MAX_LEN // BLOCK, stagger=False)}
+         # 9 blocks of 16: room for one sequence of MAX_LEN (7 blocks), not for two of the six
+         # prompts at their full length (5 to 7 blocks each): they preempt one another
+         "tiny_budget": dict(enable_prefix_caching=True, num_kv_blocks=9, stagger=False)}
 
 
 def run_modes(args: dict) -> None:

@@ -2,7 +2,7 @@
 slot-based cache the engine had before paging (recorded in tests/data/greedy_tiny_slots.json
 from scripts/generate.py at TP 1 and TP 4, both frameworks: all four gave the same tokens),
 with prefix caching on (hits asserted) and off, and under preemption forced by a block budget
-that holds one sequence of the context limit (preemptions asserted). Exact equality: fp32 on
+that holds one sequence of the context limit but not two of the prompts (preemptions asserted). Exact equality: fp32 on
 CPU, and the paged attention reads the same keys in the same order as the slots did."""
 
 from __future__ import annotations

@@ -49,10 +49,12 @@ class AttentionMetadata:
         # A fresh prompt (no cached context) is plain causal: no mask needed.
         masks = [None if m is None or context == 0 else F.tensor(m, like)
                  for (context, _, _), m in zip(plan.seqs, plan.masks)]
+        # Batched decode reads through the block tables; the other steps through each sequence's blocks.
+        seq_blocks = None if plan.decode_visible is not None else [F.tensor(b, like) for b in plan.seq_blocks]
         meta = cls(F.tensor(plan.slot_mapping, like), block_size,
                    token_blocks=F.tensor(plan.slot_mapping // block_size, like),
                    token_offsets=F.tensor(plan.slot_mapping % block_size, like),
-                   seqs=plan.seqs, seq_blocks=[F.tensor(b, like) for b in plan.seq_blocks], masks=masks)
+                   seqs=plan.seqs, seq_blocks=seq_blocks, masks=masks)
         if bool((batch.query_lens == 1).all()):
             lens = batch.context_lens + 1
             width = -(-int(lens.max()) // block_size)
