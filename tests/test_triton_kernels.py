@@ -133,3 +133,19 @@ def test_cuda_graph_decode_matches_eager(cuda, monkeypatch):
     for a, b in zip(logits[True], logits[False]):
         assert np.abs(a - b).max() / np.abs(b).max() <= BF16_TOL
         assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.75
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_attention_dry_run(tmp_path):
+    """scripts/bench_attention.py end to end under the interpreter (tiny sizes): both layouts
+    agree, every block size gets a ratio."""
+    pytest.importorskip("triton")
+    out = tmp_path / "attention.json"
+    proc = subprocess.run([sys.executable, str(HERE.parent / "scripts" / "bench_attention.py"), "--device", "cpu",
+                           "--dry-run", "--json", str(out)], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "paged / contiguous worst" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r[f"page{p}_max_rel_diff"] <= FP32_TOL and r[f"page{p}_ratio"] > 0
+                        for r in rows for p in (16, 64))

@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         if args.dry_run:
             if args.device != "cpu":
                 raise UserError("--dry-run: the tiny sizes are for --device cpu")
-            batches, contexts, pages = [1, 3], [100], [16, 64]
+            batches, contexts, pages = [2], [100], [16, 64]
             args.heads, args.kv_heads, args.head_dim, args.dtype = 8, 2, 32, "float32"
         if args.device == "cpu":
             os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported

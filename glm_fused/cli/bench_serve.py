@@ -93,6 +93,11 @@ async def _model_card(client, url: str) -> dict:
     return resp.json()["data"][0]
 
 
+# The server copies the engine's counters into /metrics between steps, so a response can
+# arrive before the step that produced it is counted: read the last sample after a pause.
+METRICS_SETTLE_S = 0.5
+
+
 async def _metrics(client, url: str) -> dict[str, float]:
     """The server's unlabelled Prometheus samples, by name without the ``glm_fused_`` prefix."""
     resp = await client.get(f"{url}/metrics")
@@ -174,6 +179,7 @@ async def run_round(url: str, args, warmup: list[list[int]], prompts: list[list[
         start = time.perf_counter()
         await asyncio.gather(*[client_loop() for _ in range(args.concurrency)])
         wall = time.perf_counter() - start
+        await asyncio.sleep(METRICS_SETTLE_S)
         watch.stop()
         await poller
         return results, wall, watch.result()
@@ -196,6 +202,7 @@ async def prefix_cache_round(url: str, args, rng: np.random.Generator) -> dict:
             prefix = draw(args.prefix_len)
             uncached.append((await _one(client, url, model, prefix + draw(args.input_len), one_token))["ttft"])
             cached.append((await _one(client, url, model, prefix + draw(args.input_len), one_token))["ttft"])
+        await asyncio.sleep(METRICS_SETTLE_S)
         after = await _metrics(client, url)
     u, c = float(np.median(uncached)) * 1e3, float(np.median(cached)) * 1e3
     hits = after.get("prefix_cache_hits_total", 0.0) - before.get("prefix_cache_hits_total", 0.0)
