@@ -89,7 +89,8 @@ class ModelRunner:
         F.empty_cache(dev)
         free_at_start, total = self._memory_at_start
         free_now, _ = F.memory_info(dev)
-        outside = max(0, (free_at_start - free_now) - F.reserved_memory(dev))
+        # Ranks sharing one GPU load at the same time: their allocations would count as ours.
+        outside = 0 if shares_gpu() else max(0, (free_at_start - free_now) - F.reserved_memory(dev))
         return kv_cache.gpu_budget(a.gpu_memory_utilization, free_at_start, total, peak, outside)
 
     def slot_tables(self, slots) -> np.ndarray:
