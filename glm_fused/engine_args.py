@@ -83,7 +83,8 @@ class EngineArgs:
                        help=f"sequences running at once (default {d.max_num_seqs})")
         g.add_argument("--max-model-len", type=int, default=None,
                        help="context limit per sequence, prompt + output (default: the model's "
-                            "max_position_embeddings where the KV cache holds one such sequence, else the most it holds)")
+                            "max_position_embeddings where the KV cache holds one such sequence, "
+                            "else the most it holds)")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="tokens per forward step (prefill chunk bound; also sizes the fused all-reduce "
                             f"workspace) (default {d.max_num_batched_tokens})")
@@ -93,14 +94,16 @@ class EngineArgs:
 
         g = parser.add_argument_group("KV cache")
         g.add_argument("--block-size", type=int, default=d.block_size,
-                       help=f"tokens per KV-cache block, a power of two up to {BLOCK_SIZES[-1]} (default {d.block_size})")
+                       help=f"tokens per KV-cache block, a power of two up to {BLOCK_SIZES[-1]} "
+                            f"(default {d.block_size})")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                        help="fraction of each GPU's memory this server may use; the KV cache gets what the weights "
                             f"and a profiled peak forward leave of it (default {d.gpu_memory_utilization})")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="exactly this many KV-cache blocks per rank, instead of sizing from memory "
                             "(CPU default: room for --max-num-seqs sequences of --max-model-len, at most 4 GiB)")
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching,
                        help="reuse the cached blocks of a prompt's leading full blocks across requests "
                             "(default on; --no-enable-prefix-caching turns it off)")
 

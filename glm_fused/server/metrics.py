@@ -100,8 +100,9 @@ class ServerMetrics:
         self.step_tokens = Counter("engine_step_tokens_total", "Tokens fed to the model over all forwards.")
         self.forward_seconds = Counter("engine_forward_seconds_total", "Time in model forwards (rank 0).")
         self.kv_usage = Gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0 to 1).")
-        self.prefix_queries = Counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = Counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
+        self.prefix_queries = Counter("prefix_cache_queries_total",
+                                      "Tokens of admitted requests looked up in the prefix cache.")
+        self.prefix_hits = Counter("prefix_cache_hits_total", "Tokens of admitted requests found in the prefix cache.")
         self.preemptions = Counter("num_preemptions_total", "Requests preempted (KV blocks given back, recomputed).")
         self.fusion = Counter("allreduce_calls_total",
                               "All-reduces on rank 0, by kind (fused with residual + RMSNorm, or plain) "
