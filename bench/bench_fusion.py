@@ -995,6 +995,7 @@ def run_model(ctx: BenchRank) -> dict:
         settings = EngineArgs(tp=tp, backend="torch", device="gpu" if ctx.on_gpu else "cpu", dtype=ns.dtype,
                               fused=fused, fusion_impl=fusion_choice, max_num_seqs=max_seqs, max_model_len=max_len,
                               max_num_batched_tokens=step_tokens, load_format="dummy", seed=ns.seed, resolved=True)
+        settings.num_gpu_blocks_override = settings.slot_blocks()  # this benchmark sized its memory itself
         runner = ModelRunner(settings, config, tp_rank=rank, tp_size=tp)
         ctx.sync()
         build_seconds[variant] = round(time.perf_counter() - t0, 1)
@@ -1002,12 +1003,13 @@ def run_model(ctx: BenchRank) -> dict:
         out: dict[str, np.ndarray] = {}
         res: dict[str, dict] = {"impl": "off" if not fused else ("flashinfer" if kernel is not None else "reference")}
         try:
-            out["prompt"] = runner.forward(ForwardBatch.prefill([parity_prompt], slots=[0], all_logits=True))
+            out["prompt"] = runner.forward(ForwardBatch.prefill([parity_prompt], runner.slot_tables([0]),
+                                                                all_logits=True))
             times = []
             for i in range(warm + ns.prefill_reps):
                 ctx.barrier()
                 t0 = time.perf_counter()
-                last = runner.forward(ForwardBatch.prefill([prefill_ids], slots=[0]))
+                last = runner.forward(ForwardBatch.prefill([prefill_ids], runner.slot_tables([0])))
                 dt = time.perf_counter() - t0
                 if i == 0:
                     out["prefill"], stats = last, runner.fusion_stats()
@@ -1015,8 +1017,8 @@ def run_model(ctx: BenchRank) -> dict:
                     times.append(dt * 1000)
             res["prefill"] = _step_times(ctx, times, stats)
             for b in ns.batches:
-                slots = list(range(b))
-                runner.forward(ForwardBatch.prefill(decode_prompts[b], slots=slots))
+                slots = runner.slot_tables(range(b))
+                runner.forward(ForwardBatch.prefill(decode_prompts[b], slots))
                 times = []
                 for step in range(warm + steps):
                     batch = ForwardBatch.decode(decode_ids[b][step], [ns.decode_context + step] * b, slots)

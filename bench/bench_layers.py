@@ -267,7 +267,7 @@ def triton_kernels(on: bool):
 
 def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, device, dtype) -> dict:
     """Time one (layer, step) for every implementation; compare each output with transformers'."""
-    from glm_fused.batch import ForwardBatch
+    from glm_fused.batch import ForwardBatch, slot_block_tables
     from glm_fused.model.attention import AttentionMetadata
     from glm_fused.torch_backend import OPS
 
@@ -275,25 +275,32 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
     layer_idx = config.first_k_dense_replace if kind == "moe" else 0
     H, D, nkv = config.hidden_size, config.head_dim, ours.self_attn.num_kv_heads
     g = torch.Generator(device=device).manual_seed(args.seed + 17)
+    page = 16  # the engine's default KV-cache block size
     if step == "prefill":
         T, B, C = args.prefill, 1, 0
-        batch = ForwardBatch.prefill([[0] * T], slots=[0])
+        cache_len = T
+        tables = slot_block_tables([0], -(-cache_len // page))
+        batch = ForwardBatch.prefill([[0] * T], tables)
         hidden = torch.randn(T, H, generator=g, device=device).to(dtype)
         hf_x = hidden[None]
         position_ids = torch.arange(T, device=device)[None]
-        cache_len = T
     else:
         B, C = (int(x) for x in step.removeprefix("decode-b").split("-c"))
         T = B
-        batch = ForwardBatch.decode([0] * B, [C] * B, list(range(B)))
+        cache_len = C + 1
+        tables = slot_block_tables(range(B), -(-cache_len // page))
+        batch = ForwardBatch.decode([0] * B, [C] * B, tables)
         hidden = torch.randn(B, H, generator=g, device=device).to(dtype)
         hf_x = hidden[:, None, :]
         position_ids = torch.full((B, 1), C, device=device)
-        cache_len = C + 1
     positions = torch.as_tensor(batch.positions, device=device)
-    meta = AttentionMetadata.from_batch(batch, OPS, like=positions)
-    k_cache = torch.randn(B, cache_len, nkv, D, generator=g, device=device).to(dtype)
-    v_cache = torch.randn(B, cache_len, nkv, D, generator=g, device=device).to(dtype)
+    meta = AttentionMetadata.from_batch(batch, OPS, like=positions, block_size=page)
+    # Each sequence's blocks back to back: [B, positions] for transformers' cache, the same
+    # memory as [blocks, page] for ours.
+    width = tables.shape[1] * page
+    k_seq = torch.randn(B, width, nkv, D, generator=g, device=device).to(dtype)
+    v_seq = torch.randn(B, width, nkv, D, generator=g, device=device).to(dtype)
+    k_cache, v_cache = k_seq.view(-1, page, nkv, D), v_seq.view(-1, page, nkv, D)
     kw = _cache_keyword() if hf is not None else None
 
     def hf_cache():
@@ -301,7 +308,7 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
 
         cache = DynamicCache()
         if C:  # the same context the project's cache holds, [B, kv_heads, C, D]
-            cache.update(k_cache[:, :C].transpose(1, 2).contiguous(), v_cache[:, :C].transpose(1, 2).contiguous(),
+            cache.update(k_seq[:, :C].transpose(1, 2).contiguous(), v_seq[:, :C].transpose(1, 2).contiguous(),
                          layer_idx)
         return cache
 

@@ -12,6 +12,16 @@ Servers are measured one after another, never at the same time.
 
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --url http://127.0.0.1:8001
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --concurrency 1,8,32,64
+
+From /metrics polled during each round it also reports the most requests running at once,
+the peak KV-cache usage and the preemptions. Two checks for the paged KV cache:
+
+* ``--min-running N``: exit 1 unless at least N requests ran at once (e.g. 256 clients of
+  ~1,000 tokens in a cache of 262,144 positions: ``--min-running 240``);
+* ``--prefix-cache-ttft``: one client sends ``--num-requests`` pairs of requests, each pair a
+  fresh random prefix of ``--prefix-len`` tokens plus ``--input-len`` new tokens, first with
+  the prefix uncached, then again (other new tokens) with the prefix cached; prints the median
+  time to first token of both and their ratio (``--max-ttft-ratio R``: exit 1 above R).
 """
 
 from __future__ import annotations
@@ -47,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--min-running", type=int, default=None,
+                   help="exit 1 unless at least this many requests ran at once (read from /metrics)")
+    p.add_argument("--prefix-cache-ttft", action="store_true",
+                   help="measure time to first token with a cached vs an uncached prefix (see above)")
+    p.add_argument("--prefix-len", type=int, default=2048, help="--prefix-cache-ttft: shared prefix tokens")
+    p.add_argument("--max-ttft-ratio", type=float, default=None,
+                   help="--prefix-cache-ttft: exit 1 if cached / uncached median TTFT is above this")
     return p
 
 
@@ -83,13 +100,81 @@ async def _model_card(client, url: str) -> dict:
     return resp.json()["data"][0]
 
 
-async def run_round(url: str, args, warmup: list[list[int]], prompts: list[list[int]]) -> tuple[list[dict], float]:
-    """The warm-up prompts one at a time, then the measured ones from --concurrency clients."""
+# The server copies the engine's counters into /metrics between steps, so a response can
+# arrive before the step that produced it is counted: read the last sample after a pause.
+METRICS_SETTLE_S = 0.5
+
+
+async def _metrics(client, url: str) -> dict[str, float]:
+    """The server's Prometheus samples summed over labels, by name without the project prefix."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = await client.get(f"{url}/metrics")
+    if resp.status_code != 200:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(resp.text):
+        for sample in family.samples:
+            name = sample.name.split(":", 1)[-1].removeprefix("glm_fused_")
+            out[name] = out.get(name, 0.0) + sample.value
+    return out
+
+
+class MetricsWatch:
+    """Polls /metrics while a round runs: the most requests running at once, the peak KV-cache
+    usage, and counter differences (preemptions, prefix-cache lookups, decode steps and their
+    device time, which give the TPOT bound)."""
+
+    def __init__(self, client, url: str, every_s: float = 0.1):
+        self.client, self.url, self.every_s = client, url, every_s
+        self.peak_running = self.peak_usage = 0.0
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self._stop = asyncio.Event()
+
+    async def poll(self) -> None:
+        while True:
+            sample = await _metrics(self.client, self.url)
+            self.first = self.first or sample
+            self.last = sample or self.last
+            self.peak_running = max(self.peak_running, sample.get("num_requests_running", 0.0))
+            self.peak_usage = max(self.peak_usage, sample.get("kv_cache_usage_perc", 0.0))
+            if self._stop.is_set():
+                return
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.every_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def result(self) -> dict:
+        def delta(name):
+            return self.last.get(name, 0.0) - self.first.get(name, 0.0)
+
+        has_bound = "engine_decode_steps_total" in self.last
+        return {"peak_running": int(self.peak_running), "peak_kv_usage": self.peak_usage,
+                "preemptions": int(delta("num_preemptions_total")),
+                "prefix_cache_hits": int(delta("prefix_cache_hits_total")),
+                "prefix_cache_queries": int(delta("prefix_cache_queries_total")),
+                "decode": (delta("engine_decode_steps_total"), delta("engine_decode_device_seconds_total"))
+                if has_bound else None}
+
+
+def _client(args, connections: int):
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency + 2)
-    async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
+    return httpx.AsyncClient(timeout=args.timeout, headers=headers,
+                             limits=httpx.Limits(max_connections=connections + 2))
+
+
+async def run_round(url: str, args, warmup: list[list[int]], prompts: list[list[int]]) -> tuple[list[dict], float,
+                                                                                                dict]:
+    """The warm-up prompts one at a time, then the measured ones from --concurrency clients
+    (with /metrics watched meanwhile)."""
+    async with _client(args, args.concurrency) as client:
         model = (await _model_card(client, url))["id"]
         for prompt in warmup:
             await _one(client, url, model, prompt, args)
@@ -102,29 +187,42 @@ async def run_round(url: str, args, warmup: list[list[int]], prompts: list[list[
             while not todo.empty():
                 results.append(await _one(client, url, model, todo.get_nowait(), args))
 
+        watch = MetricsWatch(client, url)
+        poller = asyncio.create_task(watch.poll())
         start = time.perf_counter()
         await asyncio.gather(*[client_loop() for _ in range(args.concurrency)])
-        return results, time.perf_counter() - start
+        wall = time.perf_counter() - start
+        await asyncio.sleep(METRICS_SETTLE_S)
+        watch.stop()
+        await poller
+        return results, wall, watch.result()
 
 
-async def decode_totals(url: str, args) -> tuple[float, float] | None:
-    """(decode steps, their device seconds) from the server's /metrics; None if it has none."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
+async def prefix_cache_round(url: str, args, rng: np.random.Generator) -> dict:
+    """Pairs of one-token requests: a fresh prefix uncached, then the same prefix cached."""
+    one_token = argparse.Namespace(**{**vars(args), "output_len": 1})
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(timeout=30, headers=headers) as client:
-        resp = await client.get(f"{url}/metrics")
-    if resp.status_code != 200:
-        return None
-    found = {}
-    for family in text_string_to_metric_families(resp.text):
-        for sample in family.samples:
-            if sample.name.endswith(("engine_decode_steps_total", "engine_decode_device_seconds_total")):
-                found[sample.name.rsplit(":", 1)[-1]] = sample.value
-    if len(found) < 2:
-        return None
-    return found["engine_decode_steps_total"], found["engine_decode_device_seconds_total"]
+    def draw(n):
+        return rng.integers(0, args.vocab_limit, size=n).tolist()
+
+    async with _client(args, 1) as client:
+        model = (await _model_card(client, url))["id"]
+        for _ in range(args.warmup):
+            await _one(client, url, model, draw(args.prefix_len + args.input_len), one_token)
+        before = await _metrics(client, url)
+        uncached, cached = [], []
+        for _ in range(args.num_requests):
+            prefix = draw(args.prefix_len)
+            uncached.append((await _one(client, url, model, prefix + draw(args.input_len), one_token))["ttft"])
+            cached.append((await _one(client, url, model, prefix + draw(args.input_len), one_token))["ttft"])
+        await asyncio.sleep(METRICS_SETTLE_S)
+        after = await _metrics(client, url)
+    u, c = float(np.median(uncached)) * 1e3, float(np.median(cached)) * 1e3
+    hits = after.get("prefix_cache_hits_total", 0.0) - before.get("prefix_cache_hits_total", 0.0)
+    return {"url": url, "model": model, "pairs": args.num_requests, "prefix_len": args.prefix_len,
+            "new_len": args.input_len, "ttft_uncached_median_ms": u, "ttft_cached_median_ms": c,
+            "ratio": c / u if u else None, "ttft_uncached_ms": [t * 1e3 for t in uncached],
+            "ttft_cached_ms": [t * 1e3 for t in cached], "prefix_cache_hits": int(hits)}
 
 
 async def server_card(url: str, args) -> dict:
@@ -136,8 +234,10 @@ async def server_card(url: str, args) -> dict:
 
 
 def summarize(url: str, card: dict, results: list[dict], wall: float, concurrency: int,
-              decode: tuple[float, float] | None = None) -> dict:
-    """``decode``: (decode steps, device seconds) the server ran during the measured requests."""
+              watched: list[dict]) -> dict:
+    """``watched``: what /metrics showed during each measured round (MetricsWatch.result)."""
+    decoded = [w["decode"] for w in watched]
+    decode = None if any(d is None for d in decoded) else (sum(d[0] for d in decoded), sum(d[1] for d in decoded))
     ttft = np.array([r["ttft"] for r in results]) * 1e3
     tpot = np.array([r["tpot"] for r in results if r["tpot"] is not None]) * 1e3
     out_tokens = sum(r["tokens"] for r in results)
@@ -147,6 +247,9 @@ def summarize(url: str, card: dict, results: list[dict], wall: float, concurrenc
         "url": url, "model": card["id"], "server": card.get("glm_fused", {}), "concurrency": concurrency,
         "tpot_bound_ms": bound, "tpot_over_bound": median / bound if bound and median else None,
         "decode_steps": decode[0] if decode else None,
+        "peak_running": max(w["peak_running"] for w in watched),
+        "peak_kv_usage": max(w["peak_kv_usage"] for w in watched),
+        "preemptions": sum(w["preemptions"] for w in watched),
         "requests": len(results), "wall_s": wall,
         "requests_per_s": len(results) / wall, "output_tokens_per_s": out_tokens / wall,
         "ttft_median_ms": float(np.median(ttft)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
@@ -169,26 +272,19 @@ def bench(urls: list[str], args) -> list[dict]:
         run_args = argparse.Namespace(**{**vars(args), "concurrency": concurrency})
         samples: list[list[dict]] = [[] for _ in urls]
         walls = [0.0] * len(urls)
-        decode: list[list[float] | None] = [[0.0, 0.0] for _ in urls]
+        watched: list[list[dict]] = [[] for _ in urls]
         for r in range(args.rounds):
             for i, url in enumerate(urls):
                 print(f"round {r + 1}/{args.rounds}: {url}: {args.num_requests} requests, concurrency "
                       f"{concurrency}, {args.input_len} in / {args.output_len} out tokens",
                       file=sys.stderr, flush=True)
                 warmup = prompts[:args.warmup] if r == 0 and concurrency == args.concurrency[0] else []
-                if warmup:
-                    asyncio.run(run_round(url, run_args, warmup, []))
-                before = asyncio.run(decode_totals(url, args))
-                results, wall = asyncio.run(run_round(url, run_args, [], prompts[args.warmup:]))
-                after = asyncio.run(decode_totals(url, args))
+                results, wall, watch = asyncio.run(run_round(url, run_args, warmup, prompts[args.warmup:]))
                 samples[i] += results
                 walls[i] += wall
-                if before is None or after is None or decode[i] is None:
-                    decode[i] = None
-                else:
-                    decode[i] = [decode[i][0] + after[0] - before[0], decode[i][1] + after[1] - before[1]]
-        out += [summarize(url, card, s, w, concurrency, d)
-                for url, card, s, w, d in zip(urls, cards, samples, walls, decode)]
+                watched[i].append(watch)
+        out += [summarize(url, card, s, w, concurrency, m)
+                for url, card, s, w, m in zip(urls, cards, samples, walls, watched)]
     return out
 
 
@@ -203,7 +299,9 @@ def format_table(results: list[dict], labels: list[str]) -> str:
     rows = [("requests/s", "requests_per_s", "{:.2f}"), ("output tokens/s", "output_tokens_per_s", "{:.1f}"),
             ("TTFT median (ms)", "ttft_median_ms", "{:.1f}"), ("TTFT p99 (ms)", "ttft_p99_ms", "{:.1f}"),
             ("TPOT median (ms)", "tpot_median_ms", "{:.2f}"), ("TPOT p99 (ms)", "tpot_p99_ms", "{:.2f}"),
-            ("TPOT bound (ms)", "tpot_bound_ms", "{:.2f}"), ("TPOT / bound", "tpot_over_bound", "{:.3f}")]
+            ("TPOT bound (ms)", "tpot_bound_ms", "{:.2f}"), ("TPOT / bound", "tpot_over_bound", "{:.3f}"),
+            ("most running", "peak_running", "{:d}"), ("peak KV usage", "peak_kv_usage", "{:.1%}"),
+            ("preemptions", "preemptions", "{:d}")]
     width = max(18, *(len(lb) + 2 for lb in labels))
     lines = ["".ljust(18) + "".join(lb.rjust(width) for lb in labels)]
     for name, key, fmt in rows:
@@ -215,19 +313,33 @@ def format_table(results: list[dict], labels: list[str]) -> str:
     return "\n".join(lines)
 
 
+def format_prefix_table(results: list[dict], labels: list[str]) -> str:
+    lines = []
+    for r, label in zip(results, labels):
+        lines.append(f"{label}: {r['pairs']} pairs, prefix {r['prefix_len']} + {r['new_len']} new tokens: "
+                     f"TTFT median uncached {r['ttft_uncached_median_ms']:.1f} ms, cached "
+                     f"{r['ttft_cached_median_ms']:.1f} ms, cached / uncached {r['ratio']:.3f}x "
+                     f"(prefix-cache hits {r['prefix_cache_hits']} tokens)")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.label and len(args.label) != len(args.url):
             raise UserError("--label: give one per --url")
-        for name in ("num_requests", "input_len", "output_len", "rounds"):
+        for name in ("num_requests", "input_len", "output_len", "rounds", "prefix_len"):
             if getattr(args, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')}: must be at least 1")
         if not args.concurrency or min(args.concurrency) < 1:
             raise UserError("--concurrency: give positive numbers (1 or 1,8,64)")
         urls = [url.rstrip("/") for url in args.url]
         try:
-            results = bench(urls, args)
+            if args.prefix_cache_ttft:
+                rng = np.random.default_rng(args.seed)
+                results = [asyncio.run(prefix_cache_round(url, args, rng)) for url in urls]
+            else:
+                results = bench(urls, args)
         except (OSError, RuntimeError) as exc:
             raise UserError(f"--url: {exc}") from None
         except Exception as exc:  # httpx's connection and status errors
@@ -237,10 +349,19 @@ def main(argv=None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    if args.json:
+        write_json(args.json, {"args": vars(args), "results": results}, indent=2)
+    if args.prefix_cache_ttft:
+        print(format_prefix_table(results, args.label or [r["url"] for r in results]))
+        if args.max_ttft_ratio is not None and any(r["ratio"] > args.max_ttft_ratio for r in results):
+            print(f"FAILED: cached / uncached TTFT above --max-ttft-ratio {args.max_ttft_ratio}", file=sys.stderr)
+            return 1
+        return 0
     several = len(args.concurrency) > 1
     labels = ([f"{lb} c={c}" if several else lb for c in args.concurrency for lb in args.label] if args.label
               else [_label(r, several) for r in results])
     print(format_table(results, labels))
-    if args.json:
-        write_json(args.json, {"args": vars(args), "results": results}, indent=2)
+    if args.min_running is not None and any(r["peak_running"] < args.min_running for r in results):
+        print(f"FAILED: fewer than --min-running {args.min_running} requests ran at once", file=sys.stderr)
+        return 1
     return 0

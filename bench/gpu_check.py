@@ -604,17 +604,18 @@ def run_model(args) -> dict:
     engine_args = EngineArgs(model=str(ckpt), backend="torch", device=os.environ["GLM_FUSED_DEVICE"],
                              dtype="bfloat16", max_num_seqs=len(prompts), max_model_len=max(len(s) for s in seqs),
                              max_num_batched_tokens=sum(map(len, prompts))).resolve()
+    engine_args.num_gpu_blocks_override = engine_args.slot_blocks()  # one slot per prompt
     runner = ModelRunner(engine_args, Glm4MoeConfig.from_pretrained(ckpt), tp_rank=0, tp_size=1)
     timings["load_ours"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
     try:
-        pre = runner.forward(ForwardBatch.prefill(prompts, all_logits=True))
+        tables = runner.slot_tables(range(len(prompts)))
+        pre = runner.forward(ForwardBatch.prefill(prompts, tables, all_logits=True))
         stats_prefill = runner.fusion_stats()
         steps = []
         for k in range(args.decode_steps):
             steps.append(runner.forward(ForwardBatch.decode([c[k] for c in conts],
-                                                            [len(p) + k for p in prompts],
-                                                            list(range(len(prompts))))))
+                                                            [len(p) + k for p in prompts], tables)))
         stats_decode = runner.fusion_stats() if steps else None
     finally:
         runner.close()

@@ -6,30 +6,38 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_FIELDS = ("input_ids", "positions", "slots", "query_lens", "context_lens", "logits_indices")
+_FIELDS = ("input_ids", "positions", "query_lens", "context_lens", "logits_indices", "rows")
 
 
 @dataclass
 class ForwardBatch:
-    """S sequences flattened into T tokens.
+    """S sequences flattened into T tokens, over a paged KV cache.
 
     Sequence s contributes ``query_lens[s]`` new tokens at positions
-    ``context_lens[s] .. context_lens[s] + query_lens[s] - 1``; its keys and values live in
-    KV-cache slot ``slots[s]``. ``logits_indices`` picks the rows of T whose logits are wanted.
+    ``context_lens[s] .. context_lens[s] + query_lens[s] - 1``. Its keys and values live in
+    the cache blocks ``block_tables[s]`` (``[S, W]``, in order: position p is row
+    ``p % block_size`` of block ``block_tables[s, p // block_size]``; entries past the
+    sequence's last block are padding, 0). ``logits_indices`` picks the rows of T whose
+    logits are wanted.
     """
 
     input_ids: np.ndarray
     positions: np.ndarray
-    slots: np.ndarray
     query_lens: np.ndarray
     context_lens: np.ndarray
     logits_indices: np.ndarray
+    block_tables: np.ndarray
+    rows: np.ndarray | None = None  # each sequence's row of per-sequence device state (default 0..S-1)
 
     def __post_init__(self):
+        if self.rows is None:
+            self.rows = np.arange(len(np.asarray(self.query_lens).reshape(-1)))
         for name in _FIELDS:
             setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=np.int64).reshape(-1))
-        t, s = len(self.input_ids), len(self.slots)
-        if len(self.positions) != t or len(self.query_lens) != s or len(self.context_lens) != s:
+        s = len(self.query_lens)
+        self.block_tables = np.ascontiguousarray(self.block_tables, dtype=np.int64).reshape(s, -1)
+        t = len(self.input_ids)
+        if len(self.positions) != t or len(self.context_lens) != s:
             raise ValueError("ForwardBatch: inconsistent lengths")
         if int(self.query_lens.sum()) != t:
             raise ValueError("ForwardBatch: query_lens do not sum to the token count")
@@ -40,7 +48,7 @@ class ForwardBatch:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.slots)
+        return len(self.query_lens)
 
     @property
     def logits_seq(self) -> np.ndarray:
@@ -52,39 +60,52 @@ class ForwardBatch:
         """Offset of each sequence's first token in the flattened batch."""
         return np.concatenate([[0], np.cumsum(self.query_lens)[:-1]]).astype(np.int64)
 
+    def slot_mapping(self, block_size: int) -> np.ndarray:
+        """``[T]`` the cache row of each new token: ``block * block_size + offset``."""
+        seq_of_token = np.repeat(np.arange(self.num_seqs), self.query_lens)
+        blocks = self.block_tables[seq_of_token, self.positions // block_size]
+        return blocks * block_size + self.positions % block_size
+
     @classmethod
-    def prefill(cls, prompts: list[list[int]], slots: list[int] | None = None,
-                all_logits: bool = False) -> "ForwardBatch":
+    def prefill(cls, prompts: list[list[int]], block_tables, all_logits: bool = False) -> "ForwardBatch":
         """Whole prompts from position 0; logits of every token or of each last token."""
-        slots = list(range(len(prompts))) if slots is None else slots
         lens = [len(p) for p in prompts]
         ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
         pos = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
         ends = np.cumsum(lens)
         logits = np.arange(ends[-1]) if all_logits else ends - 1
-        return cls(ids, pos, slots, lens, [0] * len(prompts), logits)
+        return cls(ids, pos, lens, [0] * len(prompts), logits, block_tables)
 
     @classmethod
-    def decode(cls, tokens: list[int], context_lens: list[int], slots: list[int]) -> "ForwardBatch":
+    def decode(cls, tokens: list[int], context_lens: list[int], block_tables) -> "ForwardBatch":
         """One new token per sequence, after ``context_lens`` cached tokens."""
         n = len(tokens)
-        return cls(tokens, context_lens, slots, [1] * n, context_lens, np.arange(n))
+        return cls(tokens, context_lens, [1] * n, context_lens, np.arange(n), block_tables)
 
     # ---- one int64 array, for a broadcast from rank 0 --------------------------------
     def to_array(self) -> np.ndarray:
         parts = [getattr(self, name) for name in _FIELDS]
-        header = np.array([len(p) for p in parts], dtype=np.int64)
-        return np.concatenate([header, *parts])
+        header = np.array([len(p) for p in parts] + [self.block_tables.shape[1]], dtype=np.int64)
+        return np.concatenate([header, *parts, self.block_tables.reshape(-1)])
 
     @classmethod
     def from_array(cls, arr: np.ndarray) -> "ForwardBatch":
         arr = np.asarray(arr, dtype=np.int64)
         n = len(_FIELDS)
-        sizes, offset, values = arr[:n], n, {}
+        sizes, width, offset, values = arr[:n], int(arr[n]), n + 1, {}
         for name, size in zip(_FIELDS, sizes):
             values[name] = arr[offset:offset + size]
             offset += int(size)
-        return cls(**values)
+        tables = arr[offset:offset + len(values["query_lens"]) * width]
+        return cls(**values, block_tables=tables.reshape(-1, width))
+
+
+def slot_block_tables(slots, blocks_per_slot: int) -> np.ndarray:
+    """Block tables of fixed per-sequence slots: slot s owns blocks ``s * W .. s * W + W - 1``
+    (``W = blocks_per_slot``). For tools and tests that drive a runner directly, one
+    sequence per slot, as the KV cache was laid out before paging."""
+    slots = np.asarray(slots, dtype=np.int64).reshape(-1, 1)
+    return slots * blocks_per_slot + np.arange(blocks_per_slot, dtype=np.int64)[None, :]
 
 
 @dataclass
@@ -97,19 +118,20 @@ class AttentionPlan:
     so all of them can attend in one call over keys padded to the longest.
     """
 
-    token_slots: np.ndarray                   # [T] cache slot of each token
-    seqs: list[tuple[int, int, int, int]]     # (slot, context_len, query_len, first token) per sequence
+    slot_mapping: np.ndarray                  # [T] cache row of each new token (block * block_size + offset)
+    seqs: list[tuple[int, int, int]]          # (context_len, query_len, first token) per sequence
+    seq_blocks: list[np.ndarray]              # per sequence: the blocks holding its keys, in order
     masks: list[np.ndarray | None]
     decode_visible: np.ndarray | None
 
 
-def attention_plan(batch: ForwardBatch) -> AttentionPlan:
-    seqs = list(zip(batch.slots.tolist(), batch.context_lens.tolist(), batch.query_lens.tolist(),
-                    batch.seq_starts.tolist()))
+def attention_plan(batch: ForwardBatch, block_size: int) -> AttentionPlan:
+    seqs = list(zip(batch.context_lens.tolist(), batch.query_lens.tolist(), batch.seq_starts.tolist()))
     masks = [None if n == 1 else np.arange(context + n)[None, :] <= np.arange(n)[:, None] + context
-             for _, context, n, _ in seqs]
+             for context, n, _ in seqs]
+    seq_blocks = [batch.block_tables[s, :-(-(context + n) // block_size)] for s, (context, n, _) in enumerate(seqs)]
     decode_visible = None
     if batch.num_seqs > 1 and bool(np.all(batch.query_lens == 1)):
         lengths = batch.context_lens + 1
         decode_visible = np.arange(int(lengths.max()))[None, :] < lengths[:, None]
-    return AttentionPlan(np.repeat(batch.slots, batch.query_lens), seqs, masks, decode_visible)
+    return AttentionPlan(batch.slot_mapping(block_size), seqs, seq_blocks, masks, decode_visible)

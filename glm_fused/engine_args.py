@@ -22,8 +22,10 @@ DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat1
 LOAD_FORMATS = ("safetensors", "dummy")
 BACKENDS = ("paddle", "torch")
 DEFAULT_MAX_NUM_SEQS = 32
-DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_BLOCK_SIZE = 16
+BLOCK_SIZES = tuple(2**i for i in range(9))  # 1 .. 256: powers of two (the kernels shift, not divide)
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass
@@ -38,9 +40,15 @@ class EngineArgs:
     seed: int = 0                      # dummy weights
     # the engine
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_model_len: int | None = None   # None: min(4096, the model's max_position_embeddings)
+    max_model_len: int | None = None   # None: the model's limit where the KV cache holds it (settled by
+                                       # the ModelRunner once it has sized the cache)
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enforce_eager: bool = False
+    # the paged KV cache (glm_fused.kv_cache, glm_fused.engine.block_manager)
+    block_size: int = DEFAULT_BLOCK_SIZE
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
     # the fused all-reduce + residual + RMSNorm
     fused: bool = True                 # False: the classic all-reduce layout (--unfused)
     fusion_impl: str = "auto"          # auto | flashinfer | reference (glm_fused.fused_op)
@@ -49,6 +57,8 @@ class EngineArgs:
     config_path: str | None = None
     model_name: str | None = None      # what to call the model in output
     resolved: bool = False
+    # filled by the ModelRunner: blocks in every rank's KV cache (then max_model_len is set too)
+    num_kv_blocks: int | None = None
 
     # ---- the command line ----------------------------------------------------------------
     @staticmethod
@@ -70,16 +80,32 @@ class EngineArgs:
 
         g = parser.add_argument_group("engine")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                       help=f"sequences running at once = KV-cache slots (default {d.max_num_seqs})")
+                       help=f"sequences running at once (default {d.max_num_seqs})")
         g.add_argument("--max-model-len", type=int, default=None,
-                       help=f"context limit per sequence, prompt + output = positions of one KV-cache slot "
-                            f"(default min({DEFAULT_MAX_MODEL_LEN}, the model's max_position_embeddings))")
+                       help="context limit per sequence, prompt + output (default: the model's "
+                            "max_position_embeddings where the KV cache holds one such sequence, "
+                            "else the most it holds)")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="tokens per forward step (prefill chunk bound; also sizes the fused all-reduce "
                             f"workspace) (default {d.max_num_batched_tokens})")
         g.add_argument("--enforce-eager", action="store_true",
                        help="no CUDA graphs: run decode steps op by op (torch backend on GPU; "
                             "elsewhere there are none anyway)")
+
+        g = parser.add_argument_group("KV cache")
+        g.add_argument("--block-size", type=int, default=d.block_size,
+                       help=f"tokens per KV-cache block, a power of two up to {BLOCK_SIZES[-1]} "
+                            f"(default {d.block_size})")
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                       help="fraction of each GPU's memory this server may use; the KV cache gets what the weights "
+                            f"and a profiled peak forward leave of it (default {d.gpu_memory_utilization})")
+        g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                       help="exactly this many KV-cache blocks per rank, instead of sizing from memory "
+                            "(CPU default: room for --max-num-seqs sequences of --max-model-len, at most 4 GiB)")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching,
+                       help="reuse the cached blocks of a prompt's leading full blocks across requests "
+                            "(default on; --no-enable-prefix-caching turns it off)")
 
         g = parser.add_argument_group("fused all-reduce + residual + RMSNorm")
         g.add_argument("--unfused", dest="fused", action="store_false",
@@ -150,11 +176,15 @@ class EngineArgs:
         if self.max_num_seqs < 1:
             raise UserError(f"--max-num-seqs {self.max_num_seqs}: must be at least 1")
         limit = config.max_position_embeddings
-        if self.max_model_len is None:
-            self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit)
-        if not 2 <= self.max_model_len <= limit:
+        if self.max_model_len is not None and not 2 <= self.max_model_len <= limit:
             raise UserError(f"--max-model-len {self.max_model_len}: must be in 2..{limit} "
                             f"(the model's max_position_embeddings)")
+        if self.block_size not in BLOCK_SIZES:
+            raise UserError(f"--block-size {self.block_size}: choose a power of two up to {BLOCK_SIZES[-1]}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise UserError(f"--gpu-memory-utilization {self.gpu_memory_utilization:g}: must be in (0, 1]")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise UserError(f"--num-gpu-blocks-override {self.num_gpu_blocks_override}: must be at least 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise UserError(f"--max-num-batched-tokens {self.max_num_batched_tokens}: must be at least "
                             f"--max-num-seqs {self.max_num_seqs} (every running sequence decodes each step)")
@@ -184,6 +214,12 @@ class EngineArgs:
                                 f"(install a GPU build, or pass --device cpu)")
             return self.device
         return "gpu" if gpu_visible() and backend_has_cuda(self.backend) else "cpu"
+
+    def slot_blocks(self, num_slots: int | None = None) -> int:
+        """Blocks for ``num_slots`` (default ``max_num_seqs``) sequences of ``max_model_len``: what a
+        tool that drives the runner with one fixed slot per sequence passes as
+        ``num_gpu_blocks_override`` (``glm_fused.batch.slot_block_tables``)."""
+        return (num_slots or self.max_num_seqs) * -(-self.max_model_len // self.block_size)
 
     def config(self):
         """The model's config (after ``resolve``)."""

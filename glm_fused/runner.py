@@ -1,5 +1,9 @@
 """ModelRunner: one rank's model, weights, KV cache and fused-op kernel; ForwardBatch in, logits out.
 
+The runner sizes the paged KV cache (``glm_fused.kv_cache``): after the weights and the fused
+op's workspace, it profiles a forward on a GPU, agrees on a block count with the other ranks,
+and settles ``args.max_model_len`` and ``args.num_kv_blocks`` for the engine.
+
 Written once for both frameworks: ``args.backend`` names the framework, whose layer classes
 (its ``LAYERS``, ``glm_fused.model.bind``) build the model and whose ops (``F``) do the tensor work.
 """
@@ -10,8 +14,9 @@ import logging
 
 import numpy as np
 
+from glm_fused import kv_cache
 from glm_fused.backends import get_backend
-from glm_fused.batch import ForwardBatch
+from glm_fused.batch import ForwardBatch, slot_block_tables
 from glm_fused.comm import device_index, shares_gpu
 from glm_fused.config import Glm4MoeConfig
 from glm_fused.engine_args import EngineArgs
@@ -47,6 +52,7 @@ class ModelRunner:
         F = self.F = layers.F
         self.args, self.config = args, config
         self.device = F.dist.device()
+        self._memory_at_start = F.memory_info(self.device)  # (free, total) on a GPU, before anything is ours
         with F.device_scope(self.device):
             self.comm = F.dist.TPComm(tp_rank, tp_size)
             self.model = layers.Glm4MoeForCausalLM(config, tp_rank=tp_rank, tp_size=tp_size, fused=args.fused,
@@ -57,23 +63,65 @@ class ModelRunner:
         else:
             self.load_stats = load_weights(self.model, args.model_dir, progress=tp_rank == 0)
         self.model.eval()
-        # Decode steps replay CUDA graphs where the framework has them (not with --enforce-eager);
-        # the graphs' padding rows get a scratch KV slot past the engine's.
-        use_graphs = not args.enforce_eager and F.can_capture(self.model)
-        self.kv_caches = self.model.make_kv_caches(args.max_num_seqs + int(use_graphs), args.max_model_len)
         setup_fusion(self.comm, fused=args.fused, fusion_impl=args.fusion_impl, sm=F.gpu_sm(self.device),
                      hidden_size=config.hidden_size, dtype=args.dtype,
                      max_num_batched_tokens=args.max_num_batched_tokens, kernel_args=self._kernel_args,
                      shares_gpu=shares_gpu())
-        # The token each sequence (KV slot) sampled last, on the device: a later step's input
-        # id -1 reads it, so the engine can schedule a step before the last one's tokens reach
-        # the host (one row more for the graphs' padding slot).
+        # After the workspace (the profiled forward uses it), before the graphs (they point into the cache).
+        self.kv = self._size_kv_cache()
+        args.max_model_len, args.num_kv_blocks = self.kv.max_model_len, self.kv.num_blocks
+        self.kv_caches = self.model.make_kv_caches(self.kv.num_blocks, args.block_size)
+        # The token each sequence (its row: Sequence.row) sampled last, on the device: a later
+        # step's input id -1 reads it, so the engine can schedule a step before the last one's
+        # tokens reach the host.
         like = self.model.embed_tokens.weight
-        self.next_tokens = F.zeros([args.max_num_seqs + 1], "int64", like=like)
+        self.next_tokens = F.zeros([args.max_num_seqs], "int64", like=like)
         self._staging = [F.pinned(args.max_num_seqs, "int64") for _ in range(3)]  # results in flight
         self._step = 0
-        # After setup_fusion: the fused all-reduce workspace must exist before capture.
-        self.graphs = self._capture() if use_graphs else None
+        # Decode steps replay CUDA graphs where the framework has them (not with --enforce-eager);
+        # after the fused all-reduce workspace (it must exist before capture) and the cache.
+        self.graphs = self._capture() if not args.enforce_eager and F.can_capture(self.model) else None
+
+    def _size_kv_cache(self) -> kv_cache.KVCacheSize:
+        """The block count (the smallest of every rank's) and the context limit it allows."""
+        a, limit = self.args, self.config.max_position_embeddings
+        block_bytes = self.model.kv_cache_block_bytes(a.block_size)
+        gpu_bytes = None
+        if a.num_gpu_blocks_override is None and self._memory_at_start is not None:
+            gpu_bytes = self._profile()
+        num_blocks, source = kv_cache.count_blocks(a, limit, block_bytes, gpu_bytes)
+        if self.comm.size > 1:
+            num_blocks = min(self.comm.all_gather_object(num_blocks))
+        return kv_cache.settle(a, limit, num_blocks, block_bytes, source)
+
+    def _profile(self) -> int:
+        """Bytes left for the KV cache on this GPU, after a forward of ``max_num_batched_tokens``
+        tokens (the largest step) with logits for ``max_num_seqs`` rows (the largest decode)."""
+        F, a, dev = self.F, self.args, self.device
+        tokens = a.max_num_batched_tokens
+        blocks = kv_cache.cdiv(tokens, a.block_size)
+        batch = ForwardBatch.prefill([[0] * tokens], np.arange(blocks)[None, :])
+        batch.logits_indices = np.arange(tokens - min(tokens, a.max_num_seqs), tokens)
+        F.reset_peak_memory(dev)
+        with F.no_grad():
+            caches = self.model.make_kv_caches(blocks, a.block_size)
+            like = self.model.embed_tokens.weight
+            hidden = self.model(F.tensor(batch.input_ids, like), F.tensor(batch.positions, like), batch, caches)
+            F.to_numpy(F.float32(self.model.compute_logits(hidden)))
+        F.synchronize(dev)
+        peak = F.peak_memory(dev)
+        del caches, hidden
+        F.empty_cache(dev)
+        free_at_start, total = self._memory_at_start
+        free_now, _ = F.memory_info(dev)
+        # Ranks sharing one GPU load at the same time: their allocations would count as ours.
+        outside = 0 if shares_gpu() else max(0, (free_at_start - free_now) - F.reserved_memory(dev))
+        return kv_cache.gpu_budget(a.gpu_memory_utilization, free_at_start, total, peak, outside)
+
+    def slot_tables(self, slots) -> np.ndarray:
+        """Block tables for driving this runner with one fixed slot of ``max_model_len`` positions
+        per sequence (tools and tests; needs ``num_gpu_blocks_override = args.slot_blocks()``)."""
+        return slot_block_tables(slots, kv_cache.cdiv(self.args.max_model_len, self.args.block_size))
 
     def _kernel_args(self):
         """The fused kernel's workspace dtype and device, as torch names them (the adapter is torch)."""
@@ -87,7 +135,8 @@ class ModelRunner:
         graphs, error = None, None
         try:
             graphs = self.F.capture_decode_graphs(self.model, self.kv_caches, self.args.max_num_seqs,
-                                                  pad_slot=self.args.max_num_seqs, next_tokens=self.next_tokens)
+                                                  kv_cache.cdiv(self.args.max_model_len, self.args.block_size),
+                                                  next_tokens=self.next_tokens)
         except Exception as exc:  # noqa: BLE001 - any capture failure means eager decode
             error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             self.F.synchronize(self.device)
@@ -106,7 +155,7 @@ class ModelRunner:
 
         The logits reach rank 0 only; rank 0 draws the tokens on its device (``sampling``: the
         rows' ``SamplingBatch``, given on rank 0) and sends them to the other ranks, and every
-        rank keeps them in ``next_tokens`` by KV slot, where a later step's placeholder ids
+        rank keeps them in ``next_tokens`` by the sequence's row, where a later step's placeholder ids
         (-1) read them. Nothing waits for the device: the returned callable gives rank 0 the
         tokens as numpy once they are on the host (None on the other ranks, or without ``sample``).
         """
@@ -116,7 +165,7 @@ class ModelRunner:
         with F.no_grad():
             like = self.model.embed_tokens.weight
             # Uploaded before the forward is queued: nothing after it may wait for the device.
-            row_slots = F.upload(batch.slots[batch.logits_seq], like) if sample else None
+            sampled_rows = F.upload(batch.rows[batch.logits_seq], like) if sample else None
             start = F.mark(self.device)
             hidden = self._hidden(batch)
             if not sample:
@@ -129,7 +178,7 @@ class ModelRunner:
                 tokens = F.zeros([len(batch.logits_indices)], "int64", like=hidden)
             if self.comm.size > 1:
                 tokens = self.comm.broadcast(tokens, src=0)
-            self.next_tokens[row_slots] = tokens
+            self.next_tokens[sampled_rows] = tokens
             if self.comm.rank != 0:
                 return StepResult(lambda: None)
             self._step += 1
@@ -155,8 +204,8 @@ class ModelRunner:
         like = self.model.embed_tokens.weight
         ids = F.tensor(batch.input_ids, like)
         if (batch.input_ids < 0).any():  # placeholders: the tokens the last step sampled
-            token_slots = F.tensor(np.repeat(batch.slots, batch.query_lens), like)
-            ids = F.where(ids < 0, F.index_rows(self.next_tokens, token_slots), ids)
+            token_rows = F.tensor(np.repeat(batch.rows, batch.query_lens), like)
+            ids = F.where(ids < 0, F.index_rows(self.next_tokens, token_rows), ids)
         return self.model(ids, F.tensor(batch.positions, like), batch, self.kv_caches)
 
     def _check(self, batch: ForwardBatch) -> None:
@@ -165,8 +214,8 @@ class ModelRunner:
         if batch.num_seqs > a.max_num_seqs or batch.num_tokens > a.max_num_batched_tokens:
             raise ValueError(f"batch of {batch.num_seqs} sequences / {batch.num_tokens} tokens exceeds "
                              f"max_num_seqs={a.max_num_seqs} / max_num_batched_tokens={a.max_num_batched_tokens}")
-        if batch.num_seqs and (batch.slots.min() < 0 or batch.slots.max() >= a.max_num_seqs):
-            raise ValueError(f"KV-cache slot outside 0..{a.max_num_seqs - 1}: {batch.slots.tolist()}")
+        if batch.num_seqs and (batch.block_tables.min() < 0 or batch.block_tables.max() >= a.num_kv_blocks):
+            raise ValueError(f"KV-cache block outside 0..{a.num_kv_blocks - 1} in the block tables")
         ends = batch.context_lens + batch.query_lens
         if batch.num_seqs and ends.max() > a.max_model_len:
             raise ValueError(f"sequence of {int(ends.max())} tokens exceeds max_model_len={a.max_model_len}")
@@ -203,13 +252,13 @@ class LogitsRunner:
     def execute(self, batch: ForwardBatch, sampling=None, *, sample: bool = True):
         last = self.__dict__.setdefault("_last_sampled", {})
         if (batch.input_ids < 0).any():
-            slots = np.repeat(batch.slots, batch.query_lens)
-            ids = np.array([last[int(s)] if t < 0 else t for t, s in zip(batch.input_ids, slots)])
-            batch = ForwardBatch(ids, batch.positions, batch.slots, batch.query_lens, batch.context_lens,
-                                 batch.logits_indices)
+            rows = np.repeat(batch.rows, batch.query_lens)
+            ids = np.array([last[int(r)] if t < 0 else t for t, r in zip(batch.input_ids, rows)])
+            batch = ForwardBatch(ids, batch.positions, batch.query_lens, batch.context_lens,
+                                 batch.logits_indices, batch.block_tables, batch.rows)
         logits = self.forward(batch)
         if not sample:
             return StepResult(lambda: None)
         tokens = sampling.sample_on_host(logits)
-        last.update(zip(batch.slots[batch.logits_seq].tolist(), tokens.tolist()))
+        last.update(zip(batch.rows[batch.logits_seq].tolist(), tokens.tolist()))
         return StepResult(lambda: tokens)

@@ -56,15 +56,25 @@ def digest(*arrays: np.ndarray) -> str:
 
 def engine_args(ckpt, world: int, **overrides) -> EngineArgs:
     values = dict(model=str(ckpt), tp=world, backend="torch", device="cpu", dtype="float32",
-                  max_num_seqs=MAX_SEQS, max_model_len=MAX_LEN, max_num_batched_tokens=MAX_TOKENS)
+                  max_num_seqs=MAX_SEQS, max_model_len=MAX_LEN, max_num_batched_tokens=MAX_TOKENS, block_size=8)
     values.update(overrides)
-    return EngineArgs(**values).resolve()
+    args = EngineArgs(**values).resolve()
+    args.num_gpu_blocks_override = args.slot_blocks()  # one slot of MAX_LEN positions per sequence
+    return args
+
+
+def scattered(runner, slots) -> np.ndarray:
+    """Block tables of fixed slots, each slot's blocks scattered over the cache by one fixed
+    permutation: a sequence's pages are out of order and apart, as a busy cache leaves them."""
+    perm = np.random.default_rng(0).permutation(runner.args.num_kv_blocks)
+    return perm[runner.slot_tables(slots)]
 
 
 def run_scenarios(runner, prompts: list[list[int]]) -> tuple[dict[str, np.ndarray], list[dict]]:
     """Logits of each scenario, each laid out to compare with the full-prompt references.
 
-    ``prompts[0]`` has 40 tokens, ``prompts[1]`` has 7. Slots are reused: every scenario
+    ``prompts[0]`` has 40 tokens, ``prompts[1]`` has 7. Each sequence gets the blocks of a
+    fixed slot, scattered over the cache (``scattered``). Slots are reused: every scenario
     starts its sequences at position 0, overwriting what an earlier one cached.
     """
     p0, p1 = prompts[0], prompts[1]
@@ -77,7 +87,7 @@ def run_scenarios(runner, prompts: list[list[int]]) -> tuple[dict[str, np.ndarra
         return logits
 
     def prefill(ps, slots=None):
-        return step(ForwardBatch.prefill(ps, slots=slots, all_logits=True))
+        return step(ForwardBatch.prefill(ps, scattered(runner, slots or range(len(ps))), all_logits=True))
 
     # Whole prompts in one batch (two sequences, 47 tokens); and token counts 1, 3 (< TP 4), 40.
     out["prefill_2seq"] = prefill([p0, p1])
@@ -87,20 +97,21 @@ def run_scenarios(runner, prompts: list[list[int]]) -> tuple[dict[str, np.ndarra
 
     # KV cache: prefill 20, chunked prefill of 10 more after cached context, then 10 decode steps.
     rows = [prefill([p0[:20]], slots=[1])]
-    rows.append(step(ForwardBatch(p0[20:30], np.arange(20, 30), [1], [10], [20], np.arange(10))))
+    rows.append(step(ForwardBatch(p0[20:30], np.arange(20, 30), [10], [20], np.arange(10), scattered(runner, [1]))))
     for t in range(30, 40):
-        rows.append(step(ForwardBatch.decode([p0[t]], [t], [1])))
+        rows.append(step(ForwardBatch.decode([p0[t]], [t], scattered(runner, [1]))))
     out["cached_decode"] = np.concatenate(rows)  # rows of positions 0..39 of p0
 
     # Mixed batch: sequence A decodes its last token while sequence B prefills its whole prompt.
-    step(ForwardBatch.prefill([p0[:39]], slots=[0]))
-    mixed = ForwardBatch(np.array([p0[39], *p1]), np.array([39, *range(len(p1))]), [0, 2],
-                         [1, len(p1)], [39, 0], np.arange(1 + len(p1)))
+    step(ForwardBatch.prefill([p0[:39]], scattered(runner, [0])))
+    mixed = ForwardBatch(np.array([p0[39], *p1]), np.array([39, *range(len(p1))]), [1, len(p1)], [39, 0],
+                         np.arange(1 + len(p1)), scattered(runner, [0, 2]))
     out["mixed"] = step(mixed)  # row 0: p0 position 39; rows 1..: p1
 
     # Batched decode of two sequences with different context lengths.
-    step(ForwardBatch.prefill([p0[:35], p1[:5]], slots=[3, 0]))
-    steps = [step(ForwardBatch.decode([p0[35 + i], p1[5 + i]], [35 + i, 5 + i], [3, 0])) for i in range(2)]
+    step(ForwardBatch.prefill([p0[:35], p1[:5]], scattered(runner, [3, 0])))
+    steps = [step(ForwardBatch.decode([p0[35 + i], p1[5 + i]], [35 + i, 5 + i], scattered(runner, [3, 0])))
+             for i in range(2)]
     out["batched_decode"] = np.concatenate(steps)  # p0@35, p1@5, p0@36, p1@6
     return out, stats
 
@@ -201,9 +212,9 @@ def _extras(args: dict, backend, rank: int, world: int, common: dict, log: list[
     ea.fusion_impl = "flashinfer"
     runner = ModelRunner(ea, ea.config(), tp_rank=rank, tp_size=world)
     stats = []
-    forced = runner.forward(ForwardBatch.prefill([p0[:5]], all_logits=True))
+    forced = runner.forward(ForwardBatch.prefill([p0[:5]], runner.slot_tables([0]), all_logits=True))
     stats.append(runner.fusion_stats())
-    runner.forward(ForwardBatch.decode([p0[5]], [5], [0]))
+    runner.forward(ForwardBatch.decode([p0[5]], [5], runner.slot_tables([0])))
     stats.append(runner.fusion_stats())
     runner.close()
     out["forced_flashinfer"] = {"stats": stats, "vs_hf": rel_err(forced, hf0[:5]), "log": log[start:]}
@@ -223,7 +234,7 @@ def _extras(args: dict, backend, rank: int, world: int, common: dict, log: list[
         ea = engine_args(ckpt, world, load_format="dummy", seed=7, max_num_seqs=1, max_model_len=16,
                          max_num_batched_tokens=16, **common)
         r = ModelRunner(ea, ea.config(), tp_rank=rank, tp_size=world)
-        dummy.append(r.forward(ForwardBatch.prefill([p0[:4]])))
+        dummy.append(r.forward(ForwardBatch.prefill([p0[:4]], r.slot_tables([0]))))
         params = {k: F.to_numpy(F.float32(v)) for k, v in r.model.named_parameters()}
         r.close()
     routers = [params[k] for k in sorted(params) if ".mlp.gate." in k]

@@ -175,6 +175,10 @@ def test_broken_checkpoint_is_one_line(tiny, tmp_path, how):
     (["--tp", "3"], "--tp 3"),
     (["--dtype", "bfloat16"], "--dtype bfloat16"),
     (["--unfused", "--enable-flashinfer-allreduce-fusion"], "--enable-flashinfer-allreduce-fusion"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5: must be in (0, 1]"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization 0: must be in (0, 1]"),
+    (["--block-size", "24"], "--block-size 24"),
+    (["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override 0"),
 ])
 def test_impossible_flags_are_named(argv, flag):
     proc = run_script("generate.py", "--prompt", "hi", *argv, timeout=60)
@@ -192,3 +196,14 @@ def test_logit_diff_refuses_to_overwrite_its_input(tmp_path):
     ids.write_text("[[1, 2, 99999]]")
     proc = run_script("logit_diff.py", "--prompt-ids", ids, timeout=60)
     assert proc.returncode == 2 and "99999" in proc.stderr and str(ids) in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_kv_cache_too_small_for_one_full_length_sequence_is_one_line():
+    """Found once the ranks have sized their caches: every rank refuses alike, said once."""
+    proc = run_script("generate.py", "--tp", 2, "--prompt", "hi", "--max-model-len", 512,
+                      "--num-gpu-blocks-override", 8, timeout=100)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: --max-model-len 512: the KV cache holds 128 tokens")
+    assert "--num-gpu-blocks-override" in lines[0] and not proc.leftovers

@@ -1,8 +1,10 @@
 """Engine, scheduler, sequence and sampler against a fake runner (in-process, fast).
 
-The fake runner keeps a real per-slot token cache and derives each position's logits from a
-hash of every token cached in that slot up to it, so a scheduling mistake (wrong slot,
-wrong context, a chunk out of order) changes the generated tokens and fails a test.
+The fake runner keeps a real paged token cache, written and read through the batch's block
+tables, and derives each position's logits from a hash of every token the cache holds for
+that sequence up to it, so a scheduling or block-bookkeeping mistake (wrong block, a block
+shared while being written, stale cached content, wrong context, a chunk out of order)
+changes the generated tokens and fails a test.
 """
 
 from __future__ import annotations
@@ -24,28 +26,33 @@ from glm_fused.runner import LogitsRunner
 from glm_fused.tokenizer import IncrementalDecoder
 
 VOCAB = 64
+BLOCK = 4  # small blocks: short test prompts still span several
 
 
 class FakeRunner(LogitsRunner):
-    def __init__(self, max_num_seqs: int, max_model_len: int, vocab: int = VOCAB):
-        self.cache = np.full((max_num_seqs, max_model_len), -1, dtype=np.int64)
-        self.vocab = vocab
+    def __init__(self, num_blocks: int, block_size: int = BLOCK, vocab: int = VOCAB):
+        self.cache = np.full((num_blocks, block_size), -1, dtype=np.int64)
+        self.block_size, self.vocab = block_size, vocab
         self.batches: list[ForwardBatch] = []
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         self.batches.append(batch)
-        assert len(set(batch.slots.tolist())) == batch.num_seqs, "two sequences share a slot"
+        size = self.block_size
+        written = set()
         rows = {}
         for s, start in enumerate(batch.seq_starts):
-            slot, ctx, q = int(batch.slots[s]), int(batch.context_lens[s]), int(batch.query_lens[s])
+            table, ctx, q = batch.block_tables[s], int(batch.context_lens[s]), int(batch.query_lens[s])
             pos = batch.positions[start:start + q]
             assert list(pos) == list(range(ctx, ctx + q)), "positions do not follow the context"
-            if ctx == 0:
-                self.cache[slot, :] = -1  # a new owner: the old contents must not matter
-            assert (self.cache[slot, :ctx] >= 0).all(), "context not in the cache"
-            self.cache[slot, ctx:ctx + q] = batch.input_ids[start:start + q]
+            for p, token in zip(pos, batch.input_ids[start:start + q]):
+                where = (int(table[p // size]), int(p % size))
+                assert where not in written, "two sequences write one cache position in one step"
+                written.add(where)
+                self.cache[where] = token
+            tokens = self.cache[table[np.arange(ctx + q) // size], np.arange(ctx + q) % size]
+            assert (tokens >= 0).all(), "context not in the cache"
             for i in range(q):
-                rows[int(start) + i] = self._logits(self.cache[slot, :ctx + i + 1])
+                rows[int(start) + i] = self._logits(tokens[:ctx + i + 1])
         return np.stack([rows[int(i)] for i in batch.logits_indices]).astype(np.float32)
 
     def _logits(self, tokens: np.ndarray) -> np.ndarray:
@@ -53,13 +60,18 @@ class FakeRunner(LogitsRunner):
         return np.random.default_rng(int.from_bytes(digest[:8], "little")).standard_normal(self.vocab)
 
 
-def settings(max_num_seqs: int, max_model_len: int, budget: int) -> EngineArgs:
-    return EngineArgs(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget)
+def settings(max_num_seqs: int, max_model_len: int, budget: int, num_blocks: int | None = None,
+             prefix_caching: bool = True) -> EngineArgs:
+    args = EngineArgs(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget,
+                      block_size=BLOCK, enable_prefix_caching=prefix_caching)
+    args.num_kv_blocks = num_blocks or args.slot_blocks()  # as a runner would set it
+    return args
 
 
-def make_engine(max_num_seqs=4, max_model_len=64, budget=16, **kwargs):
-    runner = FakeRunner(max_num_seqs, max_model_len)
-    engine = LLMEngine(runner, settings(max_num_seqs, max_model_len, budget), vocab_size=VOCAB, **kwargs)
+def make_engine(max_num_seqs=4, max_model_len=64, budget=16, num_blocks=None, prefix_caching=True, **kwargs):
+    args = settings(max_num_seqs, max_model_len, budget, num_blocks, prefix_caching)
+    runner = FakeRunner(args.num_kv_blocks)
+    engine = LLMEngine(runner, args, vocab_size=VOCAB, **kwargs)
     return engine, runner
 
 
@@ -269,17 +281,21 @@ def test_chunked_prefill_respects_budget_and_joins_between_steps():
     # The next step feeds those tokens before the host has seen them: placeholders (-1).
     step = sched.schedule()
     assert list(step.batch.input_ids) == [-1, -1] and list(step.batch.positions) == [20, 3]
+    assert list(step.batch.rows) == [a.row, b.row] and a.row != b.row
     sched.commit(step)
     for seq in (a, b):  # the host collects the first tokens
         seq.num_inflight -= 1
         seq.output_token_ids.append(1)
     assert ([s.request_id for s in step.seqs], list(step.num_new), step.sample) == (["a", "b"], [1, 1], [True, True])
-    assert sched.num_running == 2 and sched.num_waiting == 1  # no free slot: c waits
-    b_slot = b.slot
-    sched.finish(b, "stop")                  # b leaves; its slot serves c in the very next step
+    assert sched.num_running == 2 and sched.num_waiting == 1  # max_num_seqs: c waits
+    b_blocks, b_row = list(b.block_table), b.row
+    sched.finish(b, "stop")                  # b leaves; c takes its place in the very next step
     assert step_and_commit() == (["a", "c"], [1, 2], [21, 0], [True, True])
-    assert c.slot == b_slot and b.slot is None
-
+    # b's one full block stays cached (free, findable); c got a block that never held anything,
+    # and b's row of per-sequence state.
+    kept = sched.blocks.blocks[b_blocks[0]]
+    assert b.block_table == [] and kept.ref_count == 0 and kept.hash is not None
+    assert c.block_table[0] not in b_blocks and c.row == b_row and b.row is None
 
 def test_a_sequence_with_all_its_tokens_in_flight_is_not_scheduled():
     sched = Scheduler(settings(2, 64, 8))
@@ -349,16 +365,16 @@ def test_length_limits_and_context_limit():
     assert info.value.param == "prompt" and str(VOCAB) in str(info.value)
 
 
-def test_eos_finishes_and_frees_the_slot():
+def test_eos_finishes_and_frees_the_blocks():
     engine, _ = make_engine(max_num_seqs=1)
     first = engine.generate([[5, 6]], greedy(1))[0].output_token_ids[0]
     engine2, _ = make_engine(max_num_seqs=1, eos_token_ids=[first])
     seq = engine2.generate([[5, 6]], greedy(10))[0]
     assert seq.finish_reason == "stop" and seq.output_token_ids == [first]
-    assert list(engine2.scheduler.free_slots) == [0]
+    assert engine2.kv_cache_stats()["usage"] == 0.0 and seq.block_table == []
 
 
-def test_abort_frees_slot_at_once():
+def test_abort_frees_blocks_at_once():
     engine, runner = make_engine(max_num_seqs=1, budget=32)
     engine.add_request("a", [1, 2, 3], greedy(50))
     engine.add_request("b", [4, 5], greedy(3))
@@ -366,21 +382,20 @@ def test_abort_frees_slot_at_once():
     assert engine.num_running == 1 and engine.num_waiting == 1
     out = engine.abort("a")
     assert out.finished and out.finish_reason == "abort"
-    assert engine.num_running == 0 and list(engine.scheduler.free_slots) == [0]
-    # The very next step launches b in a's slot; a's token, still in flight, is dropped.
+    assert engine.num_running == 0 and engine.kv_cache_stats()["usage"] == 0.0
+    # The very next step launches b; a's token, still in flight, is dropped.
     assert engine.step() == []
-    assert list(runner.batches[-1].input_ids) == [4, 5] and list(runner.batches[-1].slots) == [0]
+    assert list(runner.batches[-1].input_ids) == [4, 5]
     assert [o.request_id for o in engine.step()] == ["b"]
     assert engine.abort("missing") is None
     assert [o.request_id for o in engine.abort_all()] == ["b"]
     while engine.has_unfinished():  # collects b's last launched step, whose row is now a spare
         assert engine.step() == []
 
-
 def test_broadcast_protocol_workers_see_every_forward():
     """Rank 0 broadcasts each step; a worker loop (here a thread) replays it, then stops."""
     pipe: queue.Queue = queue.Queue()
-    worker_runner = FakeRunner(2, 64)
+    worker_runner = FakeRunner(settings(2, 64, 5).num_kv_blocks)
 
     def receive(_none, src=0):
         return pipe.get(timeout=10)
@@ -431,3 +446,56 @@ def test_text_output_matches_full_decode_when_streamed():
                            on_output=lambda o: pieces.setdefault(o.request_id, []).append(o.text_delta))
     for seq in seqs:
         assert "".join(pieces[seq.request_id]) == seq.text == LetterTokenizer().decode(seq.output_token_ids)
+
+
+# ---- engine --------------------------------------------------------------------------------
+SYSTEM = list(range(3, 22))  # 19 tokens: four full blocks of 4 and three more
+SHARED = [SYSTEM + [40 + i, 50 + i, 60 - i] for i in range(6)]
+
+
+def run_staggered(engine, prompts, params, every=2):
+    """Add a request every ``every`` steps (so later ones find earlier ones' blocks cached)."""
+    seqs, pending = [], list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending:
+            i, p = pending.pop(0)
+            seqs.append(engine.add_request(str(i), p, params))
+        for _ in range(every):
+            engine.step()
+    return seqs
+
+
+def test_prefix_cache_hits_share_blocks_and_change_nothing():
+    alone = [run_alone(p, greedy()) for p in SHARED]
+    engine, runner = make_engine(max_num_seqs=4, budget=32)
+    seqs = run_staggered(engine, SHARED, greedy())
+    assert [s.output_token_ids for s in seqs] == alone
+    stats = engine.kv_cache_stats()
+    # Every request after the first finds the system prompt's 4 full blocks (16 tokens) cached.
+    assert stats["prefix_cache_hits"] == 5 * 16
+    assert stats["prefix_cache_queries"] == sum(len(p) for p in SHARED)
+    # ... and starts its first step after them: context 16, only the rest fed.
+    firsts = [b for b in runner.batches if (b.context_lens == 16).any() and (b.query_lens > 1).any()]
+    assert len(firsts) == 5
+
+    off, runner_off = make_engine(max_num_seqs=4, budget=32, prefix_caching=False)
+    assert [s.output_token_ids for s in run_staggered(off, SHARED, greedy())] == alone
+    assert off.kv_cache_stats()["prefix_cache_hits"] == 0
+    assert sum(b.num_tokens for b in runner_off.batches) > sum(b.num_tokens for b in runner.batches) + 5 * 16 - 1
+
+
+def test_preemption_by_a_tiny_block_budget_loses_nothing_and_changes_nothing():
+    prompts = PROMPTS + SHARED
+    alone = [run_alone(p, greedy(20)) for p in prompts]
+    for caching in (True, False):
+        # 12 blocks of 4 = 48 positions: at most a few sequences fit at once; one of 39 + 20 does.
+        engine, _ = make_engine(max_num_seqs=6, max_model_len=60, budget=24, num_blocks=15, prefix_caching=caching)
+        seqs = [engine.add_request(str(i), p, greedy(20)) for i, p in enumerate(prompts)]
+        while engine.has_unfinished():
+            engine.step()
+            assert engine.kv_cache_stats()["usage"] <= 1.0
+        assert [s.output_token_ids for s in seqs] == alone, f"prefix caching {caching}"
+        assert all(s.finish_reason == "length" for s in seqs)
+        stats = engine.kv_cache_stats()
+        assert stats["num_preemptions"] > 0 and stats["usage"] == 0.0
+        assert sum(s.num_preemptions for s in seqs) == stats["num_preemptions"]

@@ -209,10 +209,17 @@ def test_health_and_models(server):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
-    info = httpx.get(f"{server.url}/v1/models").json()["data"][0]["glm_fused"]
+    card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+    info = card["glm_fused"]
     assert info["tp"] == server.tp and info["layout"] == "fused" and info["fusion"] == "reference"
+    # CPU default: room for --max-num-seqs 8 sequences of --max-model-len 256, in blocks of 16.
+    assert card["max_model_len"] == 256
+    kv = info["kv_cache"]
+    assert (kv["num_blocks"], kv["block_size"], kv["prefix_caching"]) == (128, 16, True)
+    assert 0.0 <= kv["usage"] <= 1.0 and kv["prefix_cache_hits"] <= kv["prefix_cache_queries"]
     log = server.output()
-    for word in ("backend=paddle", f"tp={server.tp}", "dtype=float32", "fusion=reference", "KV cache 8 slots x 256"):
+    for word in ("backend=paddle", f"tp={server.tp}", "dtype=float32", "fusion=reference",
+                 "KV cache 128 blocks x 16 tokens = 2048 tokens", "max-model-len 256", "prefix caching on"):
         assert word in log, f"start-up log lacks {word!r}:\n{log}"
 
 
@@ -316,6 +323,33 @@ def test_32_concurrent_requests_none_lost_and_greedy_unchanged(server, tmp_path)
     offline = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert [o["token_ids"] for o in offline] == [results[i][1] for i in picked]
     assert [o["text"] for o in offline] == [results[i][0] for i in picked]
+
+
+@pytest.mark.timeout(300)
+def test_64_concurrent_requests_sharing_a_long_system_prompt_all_complete(server):
+    """64 requests at once behind one 150-token system prompt (8 run at a time): every one
+    answered in full, none lost; the prefix cache serves the shared blocks to nearly all of them."""
+    system = [(7 * i + 3) % 900 for i in range(150)]  # 9 full blocks of 16, and 6 tokens more
+    prompts = [system + [10 + i, 20 + i % 7, 30 + i % 5] for i in range(64)]
+    hits_before = metric(server, "prefix_cache_hits_total")
+
+    def one(i):
+        return complete(server, prompts[i], max_tokens=4, ignore_eos=True)
+
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, range(64)))
+    assert len(results) == 64
+    assert all(len(ids) == 4 and reason == "length" and usage["prompt_tokens"] == 153
+               for _, ids, reason, usage in results)
+    # The first request computes the system prompt; (nearly) every later one finds its 144
+    # tokens of full blocks cached. Requests admitted in the same step as the one that computes
+    # them cannot: allow a few.
+    assert metric(server, "prefix_cache_hits_total") - hits_before >= 56 * 144
+    text = httpx.get(f"{server.url}/metrics").text
+    assert "# TYPE glm_fused_kv_cache_usage_perc gauge" in text and "glm_fused_num_preemptions_total" in text
+    assert metric(server, "num_requests_running") == 0 and metric(server, "kv_cache_usage_perc") == 0.0
+    kv = httpx.get(f"{server.url}/v1/models").json()["data"][0]["glm_fused"]["kv_cache"]
+    assert kv["prefix_cache_hits"] >= 56 * 144 and kv["usage"] == 0.0
 
 
 @pytest.mark.timeout(120)
@@ -457,6 +491,7 @@ def test_impossible_flags_refused_before_any_rank_starts():
         (["--dtype", "bfloat16", "--device", "cpu"], "--dtype bfloat16"),
         (["--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "--max-num-batched-tokens"),
         (["--max-model-len", "10000000"], "--max-model-len"),
+        (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
         (["--model", "/no/such/dir"], "--model"),
         (["--port", "0"], "--port"),
     ]
@@ -500,7 +535,8 @@ def fake_server(request):
     http.start()
     assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503  # not loaded yet
     settings = EngineArgs(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=8)
-    bridge.engine = LLMEngine(FakeRunner(2, 64, vocab=1024), settings, vocab_size=1024, tokenizer=tokenizer)
+    runner = FakeRunner(settings.slot_blocks(), settings.block_size, vocab=1024)
+    bridge.engine = LLMEngine(runner, settings, vocab_size=1024, tokenizer=tokenizer)
     bridge.loop_error = None
 
     def engine_loop():
@@ -615,6 +651,29 @@ def test_bench_serve_reports_side_by_side(fake_server, tmp_path, capsys):
     assert [r["requests"] for r in results] == [12, 12]           # 2 rounds x 6, warm-up excluded
     assert [r["output_tokens"] for r in results] == [48, 48]      # exactly --output-len each
     assert all(r["ttft_median_ms"] > 0 and r["tpot_median_ms"] > 0 for r in results)
+
+
+@pytest.mark.timeout(60)
+def test_bench_serve_paged_cache_checks(fake_server, tmp_path, capsys):
+    """--prefix-cache-ttft: pairs of uncached / cached prefixes, the hits seen in /metrics;
+    --min-running: the most requests running at once, read from /metrics (2 = max_num_seqs)."""
+    from glm_fused.cli import bench_serve
+
+    url, _ = fake_server
+    out = tmp_path / "prefix.json"
+    code = bench_serve.main(["--url", url, "--prefix-cache-ttft", "--prefix-len", "40", "--input-len", "4",
+                             "--num-requests", "3", "--warmup", "1", "--json", str(out)])
+    assert code == 0
+    assert "cached / uncached" in capsys.readouterr().out
+    result = json.loads(out.read_text())["results"][0]
+    assert result["pairs"] == 3 and len(result["ttft_cached_ms"]) == 3 and result["ratio"] > 0
+    assert result["prefix_cache_hits"] == 3 * 32  # each cached request: the prefix's 2 full blocks of 16
+    flags = ["--url", url, "--num-requests", "12", "--concurrency", "4", "--input-len", "5", "--output-len", "50",
+             "--warmup", "0"]
+    assert bench_serve.main(flags + ["--min-running", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["results"][0]["peak_running"] == 2
+    assert "most running" in capsys.readouterr().out
+    assert bench_serve.main(flags + ["--output-len", "4", "--min-running", "3"]) == 1
 
 
 # ---- the torch backend behind the same server ------------------------------------------------

@@ -81,9 +81,10 @@ def test_fused_moe_at_air_sizes(cuda, T):
 def test_decode_attention_at_air_sizes(cuda):
     import triton_checks
 
-    res = triton_checks.check_decode_attention("cuda", torch.bfloat16, lens=(1, 257, 4096, 1000), heads=96,
-                                               kv_heads=8, head_dim=128)
-    _assert_checks({"decode_attention": res}, BF16_TOL)
+    for page in (16, 64, 128):
+        res = triton_checks.check_decode_attention("cuda", torch.bfloat16, lens=(1, 257, 4096, 1000), heads=96,
+                                                   kv_heads=8, head_dim=128, page=page)
+        _assert_checks({f"decode_attention_page{page}": res}, BF16_TOL)
     res = triton_checks.check_decode_attention("cuda", torch.float32, lens=(3, 100), heads=24, kv_heads=2,
                                                head_dim=128)
     _assert_checks({"decode_attention_fp32": res}, FP32_TOL)
@@ -100,8 +101,10 @@ def test_cuda_graph_decode_matches_eager(cuda, monkeypatch):
     from glm_fused.runner import ModelRunner
 
     def settings(graph: bool) -> EngineArgs:
-        return EngineArgs(backend="torch", device="gpu", dtype="bfloat16", max_num_seqs=6, max_model_len=64,
-                          max_num_batched_tokens=64, load_format="dummy", seed=3, enforce_eager=not graph).resolve()
+        args = EngineArgs(backend="torch", device="gpu", dtype="bfloat16", max_num_seqs=6, max_model_len=64,
+                          max_num_batched_tokens=64, load_format="dummy", seed=3, enforce_eager=not graph,
+                          block_size=16, num_gpu_blocks_override=24).resolve()
+        return args
 
     config = settings(True).config()
     runners = {graph: ModelRunner(settings(graph), config, tp_rank=0, tp_size=1) for graph in (True, False)}
@@ -110,13 +113,19 @@ def test_cuda_graph_decode_matches_eager(cuda, monkeypatch):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (4, 7, 5)]
     logits = {}
+    tables = np.array([[17, 3, 9, 0], [5, 22, 1, 14], [8, 2, 23, 11]])  # scattered blocks of 16
     for graph, runner in runners.items():
-        outs = [runner.forward(ForwardBatch.prefill(prompts, slots=[0, 3, 5]))]
+        outs = [runner.forward(ForwardBatch.prefill(prompts, tables))]
         lens = [4, 7, 5]
         for step in range(3):  # batch 3 pads to 4; then batch 1
-            outs.append(runner.forward(ForwardBatch.decode([10 + step] * 3, lens, [0, 3, 5])))
+            outs.append(runner.forward(ForwardBatch.decode([10 + step] * 3, lens, tables)))
             lens = [n + 1 for n in lens]
-        outs.append(runner.forward(ForwardBatch.decode([20], [lens[1]], [3])))
+        outs.append(runner.forward(ForwardBatch.decode([20], [lens[1]], tables[1:2])))
+        # Long enough to cross into a second block, with blocks of only part of the table given.
+        outs.append(runner.forward(ForwardBatch([30] * 12, np.arange(lens[1] + 1, lens[1] + 13), [12],
+                                                [lens[1] + 1], [11], tables[1:2])))
+        outs.append(runner.forward(ForwardBatch.decode([21, 22], [lens[0], lens[1] + 13],
+                                                       [tables[0, :2], tables[1, :2]])))
         logits[graph] = outs
         stats = runner.fusion_stats()
         assert stats["fused_allreduce_norm_calls"] == 2 * config.num_hidden_layers + 1, stats
@@ -124,3 +133,19 @@ def test_cuda_graph_decode_matches_eager(cuda, monkeypatch):
     for a, b in zip(logits[True], logits[False]):
         assert np.abs(a - b).max() / np.abs(b).max() <= BF16_TOL
         assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.75
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_attention_dry_run(tmp_path):
+    """scripts/bench_attention.py end to end under the interpreter (tiny sizes): both layouts
+    agree, every block size gets a ratio."""
+    pytest.importorskip("triton")
+    out = tmp_path / "attention.json"
+    proc = subprocess.run([sys.executable, str(HERE.parent / "scripts" / "bench_attention.py"), "--device", "cpu",
+                           "--dry-run", "--json", str(out)], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "paged / contiguous worst" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r[f"page{p}_max_rel_diff"] <= FP32_TOL and r[f"page{p}_ratio"] > 0
+                        for r in rows for p in (16, 64))

@@ -14,20 +14,6 @@ import sys
 
 import torch
 
-def _interpreter_numpy2_fix() -> None:
-    """Triton's CPU interpreter turns a one-element array into an int with ``int(array)``,
-    which numpy 2 refuses for 1-d arrays (program ids are such arrays); index them instead."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max |a - b| / max |b|
 
 
@@ -65,17 +51,22 @@ def check_rope_and_store(device, dtype, T=5, heads=6, kv_heads=2, head_dim=32, r
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = q.view(T, heads, head_dim), k.view(T, kv_heads, head_dim), v.view(T, kv_heads, head_dim)
     positions = torch.tensor([0, 3, 17, 40, 63][:T], device=device)
-    slots = torch.tensor([1, 0, 2, 1, 0][:T], device=device)
+    # Paged cache of 6 blocks of 4 rows; the last token is CUDA-graph padding (row -1: not stored).
+    slot_mapping = torch.tensor([5, 0, 22, 9, -1][:T], device=device)
     ref_q, ref_k = rope(positions, q.clone(), k.clone())
-    shape = (3, 64, kv_heads, head_dim)
+    shape = (6, 4, kv_heads, head_dim)
     kc = torch.full(shape, 7.0, dtype=dtype, device=device)
     vc = torch.full(shape, 7.0, dtype=dtype, device=device)
-    out_q = rope_and_store(positions, slots, q, k, v, rope.cos_cache, rope.sin_cache, kc, vc)
-    untouched = kc.clone()
-    untouched[slots, positions] = 7.0
-    return {"q": rel(out_q, ref_q), "k_cache": rel(kc[slots, positions], ref_k),
-            "v_cache": rel(vc[slots, positions], v), "q_in_place": float(out_q.data_ptr() != q.data_ptr()),
-            "other_rows_untouched": float(not bool((untouched == 7.0).all()))}
+    out_q = rope_and_store(positions, slot_mapping, q, k, v, rope.cos_cache, rope.sin_cache, kc, vc)
+    stored = slot_mapping >= 0
+    rows = slot_mapping[stored]
+    flat_k, flat_v = kc.view(-1, kv_heads, head_dim), vc.view(-1, kv_heads, head_dim)
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=device)
+    untouched[rows] = False
+    return {"q": rel(out_q, ref_q), "k_cache": rel(flat_k[rows], ref_k[stored]),
+            "v_cache": rel(flat_v[rows], v[stored]), "q_in_place": float(out_q.data_ptr() != q.data_ptr()),
+            "other_rows_untouched": float(not (bool((flat_k[untouched] == 7.0).all())
+                                               and bool((flat_v[untouched] == 7.0).all())))}
 
 
 def check_silu_and_mul(device, dtype, T=7, inter=80, seed=5):
@@ -89,25 +80,42 @@ def check_silu_and_mul(device, dtype, T=7, inter=80, seed=5):
     return {"out": rel(silu_and_mul(gate, up), F.silu(gate.float()) * up.float())}
 
 
-def check_decode_attention(device, dtype, lens=(1, 70, 200, 33), heads=12, kv_heads=2, head_dim=32, seed=2):
-    from glm_fused.torch_backend.kernels.decode_attention import decode_attention
+def check_decode_attention(device, dtype, lens=(1, 70, 200, 33), heads=12, kv_heads=2, head_dim=32, page=16,
+                           seed=2, contiguous=True):
+    """The paged kernel, each sequence's blocks scattered over the cache, against an fp32
+    reference; and the contiguous (one slot per sequence) kernel on the same keys."""
+    from glm_fused.torch_backend.kernels.decode_attention import contiguous_decode_attention, decode_attention
 
     g = torch.Generator().manual_seed(seed)
     S, max_len = len(lens), max(lens) + 3
-    kc = torch.randn(S + 2, max_len, kv_heads, head_dim, generator=g).to(device, dtype)
-    vc = torch.randn(S + 2, max_len, kv_heads, head_dim, generator=g).to(device, dtype)
+    width = -(-max_len // page)
+    # Contiguous: [S + 2 slots, width * page]; paged: the same rows cut into blocks, shuffled.
+    kc = torch.randn(S + 2, width * page, kv_heads, head_dim, generator=g).to(device, dtype)
+    vc = torch.randn(S + 2, width * page, kv_heads, head_dim, generator=g).to(device, dtype)
     q = torch.randn(S, heads, head_dim, generator=g).to(device, dtype)
     slots = torch.tensor([3, 0, 5, 1][:S], device=device)
     seq_lens = torch.tensor(lens, device=device)
+    num_blocks = (S + 2) * width
+    perm = torch.randperm(num_blocks, generator=g).to(device)  # logical block i lives in physical perm[i]
+    paged_k = torch.empty(num_blocks, page, kv_heads, head_dim, dtype=dtype, device=device)
+    paged_v = torch.empty_like(paged_k)
+    paged_k[perm] = kc.reshape(num_blocks, page, kv_heads, head_dim)
+    paged_v[perm] = vc.reshape(num_blocks, page, kv_heads, head_dim)
+    tables = perm[slots[:, None] * width + torch.arange(width, device=device)[None, :]]
     scale = head_dim ** -0.5
-    out = decode_attention(q, kc, vc, slots, seq_lens, scale)
-    worst = 0.0
+    out = decode_attention(q, paged_k, paged_v, tables, seq_lens, scale)
+    if contiguous:
+        contiguous = contiguous_decode_attention(q, kc, vc, slots, seq_lens, scale)
+    worst = worst_contiguous = 0.0
     for s, n in enumerate(lens):  # fp32 reference, GQA by repeating kv heads
         keys = kc[slots[s], :n].float().repeat_interleave(heads // kv_heads, dim=1)   # [n, heads, D]
         vals = vc[slots[s], :n].float().repeat_interleave(heads // kv_heads, dim=1)
         p = torch.softmax(torch.einsum("hd,nhd->hn", q[s].float(), keys) * scale, dim=-1)
-        worst = max(worst, rel(out[s], torch.einsum("hn,nhd->hd", p, vals)))
-    return {"out": worst}
+        ref = torch.einsum("hn,nhd->hd", p, vals)
+        worst = max(worst, rel(out[s], ref))
+        if contiguous is not False:
+            worst_contiguous = max(worst_contiguous, rel(contiguous[s], ref))
+    return {"out": worst, "contiguous": worst_contiguous}
 
 
 def check_fused_moe(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4, seed=3, expert_range=None):
@@ -173,7 +181,13 @@ def check_fused_moe(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4
 
 
 CHECKS = {"add_rmsnorm": check_add_rmsnorm, "silu_and_mul": check_silu_and_mul, "rope_and_store": check_rope_and_store,
-          "decode_attention": check_decode_attention, "fused_moe": check_fused_moe,
+          "decode_attention": check_decode_attention,
+          # pages smaller than the kernel's 64-key tile (several pages per tile) and larger
+          "decode_attention_page4": lambda d, t: check_decode_attention(d, t, lens=(5, 70), heads=4, kv_heads=1,
+                                                                         page=4, contiguous=False),
+          "decode_attention_page128": lambda d, t: check_decode_attention(d, t, lens=(129, 3), heads=4, kv_heads=1,
+                                                                           page=128, contiguous=False),
+          "fused_moe": check_fused_moe,
           "fused_moe_partial": lambda d, t: check_fused_moe(d, t, expert_range=(4, 12)),
           # 3 * 40 = 120 pairs: the three-kernel sort (more than one chunk of 64 pairs)
           "fused_moe_chunks": lambda d, t: check_fused_moe(d, t, T=40, top_k=3, hidden=32, inter=32),
@@ -204,16 +218,18 @@ def check_model(device, dtype, qk_norm=False, seed=4):
         fill_random(model, config, seed)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in (5, 9)]
-    steps = [ForwardBatch.prefill(prompts, slots=[2, 0]),
-             ForwardBatch.decode([7, 8], [5, 9], [2, 0]),
-             ForwardBatch.decode([9], [6], [2]),
-             # sequence in slot 0 continues with a 3-token chunk while slot 2 decodes
-             ForwardBatch([11, 3, 4, 5], [7, 10, 11, 12], [2, 0], [1, 3], [7, 10], [0, 1, 2, 3])]
+    # Blocks of 4 positions, each sequence's scattered over a cache of 12.
+    a, b = [[7, 2, 10, 5], [1, 11, 4, 8]]
+    steps = [ForwardBatch.prefill(prompts, [a, b]),
+             ForwardBatch.decode([7, 8], [5, 9], [a, b]),
+             ForwardBatch.decode([9], [6], [a]),
+             # the second sequence continues with a 3-token chunk while the first decodes
+             ForwardBatch([11, 3, 4, 5], [7, 10, 11, 12], [1, 3], [7, 10], [0, 1, 2, 3], [a, b])]
     logits = {}
     for on in (False, True):
         previous = kernels.set_enabled(on)
         try:
-            caches = model.make_kv_caches(3, 64)
+            caches = model.make_kv_caches(12, 4)
             outs = []
             with torch.inference_mode():
                 for b in steps:
@@ -234,6 +250,8 @@ if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     dt = getattr(torch, sys.argv[2] if len(sys.argv) > 2 else "float32")
     if dev == "cpu":
-        _interpreter_numpy2_fix()
+        from glm_fused.torch_backend.kernels import interpreter_numpy2_fix
+
+        interpreter_numpy2_fix()
     for name, fn in CHECKS.items():
         print(json.dumps({"check": name, **fn(dev, dt)}), flush=True)

@@ -37,20 +37,17 @@ class Rank:
         self.runner = ModelRunner(self.args, self.config, tp_rank=self.rank, tp_size=self.world)
         return self.runner
 
-    def kv_cache_bytes(self) -> int:
-        """This rank's KV cache: keys and values, every layer, every slot, every position."""
-        c, a = self.config, self.args
-        kv_heads = max(1, c.num_key_value_heads // self.world)
-        itemsize = 2 if a.dtype == "bfloat16" else 4
-        return 2 * c.num_hidden_layers * a.max_num_seqs * a.max_model_len * kv_heads * c.head_dim * itemsize
-
     def info(self) -> dict:
         a, runner = self.args, self.runner
+        kv = runner.kv
         return {"backend": a.backend, "device": a.device, "tp": self.world, "dtype": a.dtype,
                 "layout": "fused" if a.fused else "unfused", "fusion": runner.fusion_impl(),
                 "decode": runner.decode_mode(),
                 "max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len,
-                "max_num_batched_tokens": a.max_num_batched_tokens, "kv_cache_bytes_per_rank": self.kv_cache_bytes()}
+                "max_num_batched_tokens": a.max_num_batched_tokens,
+                "kv_cache": {"block_size": kv.block_size, "num_blocks": kv.num_blocks, "num_tokens": kv.num_tokens,
+                             "bytes_per_rank": kv.bytes, "sized_by": kv.source,
+                             "prefix_caching": a.enable_prefix_caching}}
 
     def describe(self) -> str:
         """One line of what was chosen, for the start-up log."""
@@ -73,11 +70,11 @@ class Rank:
 
                     why = env.flashinfer_error or choose_impl(env, dtype=a.dtype, num_tokens=1)[1]
                 fusion = "reference (all-reduce + add + RMSNorm" + (f"; {why})" if why else ")")
-        kv = self.kv_cache_bytes()
         return (f"backend={a.backend} device={a.device} tp={self.world} dtype={a.dtype} "
-                f"layout={'fused' if a.fused else 'unfused'} fusion={fusion}; "
-                f"KV cache {a.max_num_seqs} slots x {a.max_model_len} tokens = {kv / 2**20:.1f} MiB per rank; "
-                f"max {a.max_num_batched_tokens} tokens per step; decode {runner.decode_mode()}")
+                f"layout={'fused' if a.fused else 'unfused'} fusion={fusion}; {runner.kv.describe()}; "
+                f"prefix caching {'on' if a.enable_prefix_caching else 'off'}; "
+                f"max {a.max_num_seqs} sequences, {a.max_num_batched_tokens} tokens per step; "
+                f"decode {runner.decode_mode()}")
 
 
 def load_tokenizer(args):

@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         # One sequence at a time in slot 0, sized to the longest prompt and continuation.
         args.prompts, args.max_num_seqs = prompts, 1
         args.max_model_len = args.max_num_batched_tokens = longest
+        if args.num_gpu_blocks_override is None:
+            args.num_gpu_blocks_override = -(-longest // args.block_size)
         args.tolerance = DEFAULT_TOLERANCE[args.dtype] if args.tolerance is None else args.tolerance
         args.min_top1 = DEFAULT_MIN_TOP1[args.dtype] if args.min_top1 is None else args.min_top1
         args.result_file = str(Path(tmp) / "logits.npz")
@@ -214,13 +216,14 @@ def worker(args: dict) -> None:
         runner = rank.build_runner()
         try:
             for i, prompt in enumerate(ns.prompts):
-                logits = runner.forward(ForwardBatch.prefill([prompt], slots=[0], all_logits=True))
+                logits = runner.forward(ForwardBatch.prefill([prompt], runner.slot_tables([0]), all_logits=True))
                 if i == 0:
                     stats[tag] = runner.fusion_stats()  # one prefill forward
                 out[f"{tag}_{i}"] = logits
                 tokens = [int(logits[-1].argmax())] if ns.max_new_tokens else []
                 for k in range(ns.max_new_tokens - 1):
-                    step = runner.forward(ForwardBatch.decode([tokens[-1]], [len(prompt) + k], [0]))
+                    step = runner.forward(ForwardBatch.decode([tokens[-1]], [len(prompt) + k],
+                                                              runner.slot_tables([0])))
                     if i == 0 and k == 0:
                         stats[f"{tag}_decode"] = runner.fusion_stats()  # one decode forward
                         stats[f"{tag}_decode_mode"] = runner.decode_mode()

@@ -144,11 +144,11 @@ def _serve(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     bridge, metrics, info = EngineBridge(), ServerMetrics(args.served_model_name), {}
     tokenizer = load_tokenizer(args)
-    pool = PreprocessPool({"model_name": args.served_model_name, "max_model_len": args.max_model_len,
+    # Started once the model is loaded: the context limit may be settled by the KV-cache sizing.
+    pool = PreprocessPool({"model_name": args.served_model_name,
                            "vocab_size": Glm4MoeConfig.from_json_file(args.config_path).vocab_size,
                            "tokenizer_dir": args.model_dir if tokenizer is not None else None},
                           workers=args.preprocess_workers)
-    pool.start()  # the workers start while the model loads
     app = create_app(bridge, metrics, model_name=args.served_model_name, pool=pool,
                      max_model_len=args.max_model_len, api_key=args.api_key, info=info,
                      max_body_bytes=args.max_request_body_bytes)
@@ -161,6 +161,8 @@ def _serve(args: argparse.Namespace) -> int:
         logger.info("loading %s (%s) on %d rank(s)...", args.model_name, args.model_dir or "dummy weights",
                     rank.world)
         runner = rank.build_runner()
+        pool.config["max_model_len"] = rank.args.max_model_len
+        pool.start()  # the workers start while the ranks meet
         rank.backend.barrier()  # every rank has loaded
         pids = exchange_pids(rank.backend.broadcast_int64, rank.rank, rank.world)
         multi = rank.world > 1

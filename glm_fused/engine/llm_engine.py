@@ -132,7 +132,7 @@ class LLMEngine:
         return seq
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
-        """Drop a request (client gone, shutdown); its slot is free for the next step."""
+        """Drop a request (client gone, shutdown); its KV-cache blocks are free for the next step."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return None
@@ -152,6 +152,13 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
+
+    def kv_cache_stats(self) -> dict:
+        """The KV cache in plain numbers: ``num_blocks``, ``block_size``, ``usage`` (fraction of
+        blocks held by sequences), ``prefix_caching`` (on/off), ``prefix_cache_queries`` and
+        ``prefix_cache_hits`` (tokens looked up / found cached, running totals),
+        ``num_preemptions`` (running total). Safe to read from another thread."""
+        return self.scheduler.kv_cache_stats()
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

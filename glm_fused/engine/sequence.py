@@ -1,4 +1,4 @@
-"""One request's state in the engine: tokens, KV-cache slot, progress, text, timings."""
+"""One request's state in the engine: tokens, KV-cache blocks, progress, text, timings."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from glm_fused.engine.sampling import SamplingParams
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"    # queued, owns no KV-cache slot
-    RUNNING = "running"    # owns a slot; prefilling or decoding
-    FINISHED = "finished"  # slot returned
+    WAITING = "waiting"    # queued (new, or preempted: to be recomputed), holds no KV-cache blocks
+    RUNNING = "running"    # holds blocks; prefilling or decoding
+    FINISHED = "finished"  # blocks returned
 
 
 class Sequence:
-    """A request: its prompt, generated tokens, slot, and how much of it is cached."""
+    """A request: its prompt, generated tokens, KV-cache blocks, and how much of it is cached."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  detokenizer=None, arrival_time: float | None = None, max_len: int = 1 << 62):
@@ -27,9 +27,18 @@ class Sequence:
         self.max_len = max_len  # the context limit: prompt + output
         self.output_token_ids: list[int] = []
         self.status = Status.WAITING
-        self.slot: int | None = None
         self.num_computed = 0     # tokens whose keys/values are in the cache
         self.num_inflight = 0     # tokens sampled on the device whose value the host has not seen yet
+        # KV-cache bookkeeping (glm_fused.engine.block_manager): the blocks held, in position
+        # order; the chained hashes of full blocks (computed once: tokens never change); how
+        # many leading blocks are in the prefix cache.
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
+        self.num_preemptions = 0
+        # This sequence's row in the runner's per-sequence device state (the token it sampled
+        # last, read by the next step's placeholder): from its first admission to its end.
+        self.row: int | None = None
         self.finish_reason: str | None = None
         self.sampling_seed = params.sampling_seed()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

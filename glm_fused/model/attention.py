@@ -1,10 +1,12 @@
-"""Causal GQA attention over a KV cache with one slot per sequence.
+"""Causal GQA attention over a paged KV cache.
 
-Per layer the cache is ``(k_cache, v_cache)``, each ``[num_slots, max_model_len, kv_heads, head_dim]``.
-Sequence s of a ForwardBatch writes its new keys/values at its positions in slot ``slots[s]``
-and its queries attend to ``cache[slot, :context_len + query_len]``, query i seeing keys up to
-its own position ``context_len + i``. One rule covers prefill (context 0), decode (one query)
-and chunked prefill (several queries after cached context).
+Per layer the cache is ``(k_cache, v_cache)``, each ``[num_blocks, block_size, kv_heads, head_dim]``.
+Sequence s of a ForwardBatch owns the blocks of its row of ``block_tables``: position p lives in
+row ``p % block_size`` of block ``block_tables[s, p // block_size]``. The new keys/values of a
+step are written at their positions, then the queries attend to positions
+``0 .. context_len + query_len - 1``, query i seeing keys up to its own position
+``context_len + i``. One rule covers prefill (context 0), decode (one query), chunked prefill
+(several queries after cached context) and prefix-cache hits (context found in shared blocks).
 """
 
 from __future__ import annotations
@@ -21,32 +23,43 @@ class AttentionMetadata:
     """What every layer's attention needs from the ForwardBatch, built once per forward
     (framework tensors on the model's device)."""
 
-    token_slots: Any              # [T] cache slot of each token
-    positions: Any                # [T] cache row of each token (= its position)
-    seqs: list[tuple[int, int, int, int]]  # (slot, context_len, query_len, first token) per sequence
-    masks: list[Any]              # per sequence: [query_len, keys] True where visible, for chunked
+    slot_mapping: Any             # [T] cache row (block * block_size + offset) of each new token; -1: not
+                                  # stored (CUDA-graph padding)
+    block_size: int
+    token_blocks: Any = None      # [T] block and row of each new token (the plain-ops cache write)
+    token_offsets: Any = None
+    seqs: list[tuple[int, int, int]] = None  # (context_len, query_len, first token) per sequence
+    seq_blocks: list[Any] = None  # per sequence: its blocks, in order [ceil((context + query) / block_size)]
+    masks: list[Any] = None       # per sequence: [query_len, keys] True where visible, for chunked
                                   # prefill only (None: causal from position 0, or a single query)
-    decode_slots: Any = None      # all query_len == 1: each sequence's cache slot [S]
+    block_tables: Any = None      # all query_len == 1: [S, W] each sequence's blocks (padding 0)
     seq_lens: Any = None          # all query_len == 1: keys each query sees [S]
-    decode_mask: Any = None       # S > 1 decodes, unfused path: [S, 1, 1, max_len] visible keys
+    decode_mask: Any = None       # S > 1 decodes, plain-ops path: [S, 1, 1, max_len] visible keys
 
     @classmethod
-    def for_decode(cls, slots, positions, seq_lens) -> "AttentionMetadata":
-        """All-device metadata of a decode step (one token per sequence), for a decode kernel
-        that reads lengths on the device; what a CUDA graph captures (no host-side lists)."""
-        return cls(slots, positions, [], [], decode_slots=slots, seq_lens=seq_lens)
+    def for_decode(cls, slot_mapping, block_tables, seq_lens, block_size: int) -> "AttentionMetadata":
+        """All-device metadata of a decode step (one token per sequence), for kernels that
+        read lengths and block tables on the device; what a CUDA graph captures."""
+        return cls(slot_mapping, block_size, block_tables=block_tables, seq_lens=seq_lens)
 
     @classmethod
-    def from_batch(cls, batch: ForwardBatch, F, like) -> "AttentionMetadata":
+    def from_batch(cls, batch: ForwardBatch, F, like, block_size: int) -> "AttentionMetadata":
         """``like``: a tensor on the model's device (where the metadata goes)."""
-        plan = attention_plan(batch)
+        plan = attention_plan(batch, block_size)
         # A fresh prompt (no cached context) is plain causal: no mask needed.
         masks = [None if m is None or context == 0 else F.tensor(m, like)
-                 for (_, context, _, _), m in zip(plan.seqs, plan.masks)]
-        meta = cls(F.tensor(plan.token_slots, like), F.tensor(batch.positions, like), plan.seqs, masks)
+                 for (context, _, _), m in zip(plan.seqs, plan.masks)]
+        # Batched decode reads through the block tables; the other steps through each sequence's blocks.
+        seq_blocks = None if plan.decode_visible is not None else [F.tensor(b, like) for b in plan.seq_blocks]
+        meta = cls(F.tensor(plan.slot_mapping, like), block_size,
+                   token_blocks=F.tensor(plan.slot_mapping // block_size, like),
+                   token_offsets=F.tensor(plan.slot_mapping % block_size, like),
+                   seqs=plan.seqs, seq_blocks=seq_blocks, masks=masks)
         if bool((batch.query_lens == 1).all()):
-            meta.decode_slots = F.tensor(batch.slots, like)
-            meta.seq_lens = F.tensor(batch.context_lens + 1, like)
+            lens = batch.context_lens + 1
+            width = -(-int(lens.max()) // block_size)
+            meta.block_tables = F.tensor(batch.block_tables[:, :width], like)
+            meta.seq_lens = F.tensor(lens, like)
         if plan.decode_visible is not None:
             meta.decode_mask = F.tensor(plan.decode_visible, like)[:, None, None, :]
         return meta

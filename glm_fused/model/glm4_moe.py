@@ -111,7 +111,7 @@ class Glm4MoeModel(Module):
 
     def forward(self, input_ids, positions, batch: ForwardBatch, kv_caches: list):
         """Hidden states ``[len(batch.logits_indices), H]`` after the final norm."""
-        meta = AttentionMetadata.from_batch(batch, self.F, like=input_ids)
+        meta = AttentionMetadata.from_batch(batch, self.F, like=input_ids, block_size=kv_caches[0][0].shape[1])
         hidden = self.forward_hidden(input_ids, positions, meta, kv_caches)
         return self.F.index_rows(hidden, self.F.tensor(batch.logits_indices, like=hidden))
 
@@ -125,13 +125,18 @@ class Glm4MoeModel(Module):
         hidden, _ = add_norm(self.norm, hidden, residual, self.fused, self.comm)
         return hidden
 
-    def make_kv_caches(self, num_slots: int, max_len: int) -> list:
-        """Zeroed ``(k, v)`` per layer, ``[num_slots, max_len, kv_heads_local, head_dim]``.
+    def make_kv_caches(self, num_blocks: int, block_size: int) -> list:
+        """Zeroed ``(k, v)`` per layer, ``[num_blocks, block_size, kv_heads_local, head_dim]``.
 
         Zeros, not garbage: batched decode multiplies masked (zero-weight) rows, and 0 * NaN is NaN.
         """
-        shape, like = [num_slots, max_len, self.shard.num_kv_heads, self.config.head_dim], self.embed_tokens.weight
+        shape, like = [num_blocks, block_size, self.shard.num_kv_heads, self.config.head_dim], self.embed_tokens.weight
         return [(self.F.zeros(shape, self.dtype, like), self.F.zeros(shape, self.dtype, like)) for _ in self.layers]
+
+    def kv_cache_block_bytes(self, block_size: int) -> int:
+        """Bytes of one block of this rank's cache over all layers (keys and values)."""
+        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
+        return 2 * len(self.layers) * block_size * self.shard.num_kv_heads * self.config.head_dim * itemsize
 
     @property
     def device(self):
@@ -171,7 +176,8 @@ class Glm4MoeForCausalLM(Glm4MoeModel):
         if ids.ndim not in (1, 2) or ids.shape[-1] == 0:
             raise ValueError(f"input_ids must be [seq] or [batch, seq] with seq > 0, got shape {list(ids.shape)}")
         rows = ids.reshape(-1, ids.shape[-1])
-        batch = ForwardBatch.prefill(rows.tolist(), all_logits=True)
+        # A temporary cache of one block per row, as long as the row.
+        batch = ForwardBatch.prefill(rows.tolist(), np.arange(rows.shape[0])[:, None], all_logits=True)
         like = self.embed_tokens.weight
         with F.no_grad():
             kv_caches = self.make_kv_caches(rows.shape[0], rows.shape[1])

@@ -111,12 +111,18 @@ class Ops:
         return rotate(q), rotate(k)
 
     def rope_and_store(self, positions, q, k, v, cos_cache, sin_cache, rotary_dim: int, meta, kv_cache):
-        """Rotate q and k, write k and v into the cache at each token's (slot, position); the rotated q."""
+        """Rotate q and k, write k and v into the paged cache at each token's (block, row); the rotated q."""
         q, k = self.rope(positions, q, k, cos_cache, sin_cache, rotary_dim)
         k_cache, v_cache = kv_cache
-        k_cache[meta.token_slots, meta.positions] = k
-        v_cache[meta.token_slots, meta.positions] = v
+        k_cache[meta.token_blocks, meta.token_offsets] = k
+        v_cache[meta.token_blocks, meta.token_offsets] = v
         return q
+
+    def gather_keys(self, cache, blocks, length: int):
+        """The first ``length`` positions of a sequence from its ``blocks`` -> ``[length, kv_heads, D]``."""
+        pages = self.index_rows(cache, blocks)  # [n, block_size, kv_heads, D], a copy
+        n, size, heads, dim = pages.shape
+        return pages.reshape([n * size, heads, dim])[:length]
 
     def attention(self, q, meta, kv_cache, scale: float):
         """``softmax(q k^T * scale) v`` of every token over its sequence's cached keys (this
@@ -124,17 +130,23 @@ class Ops:
         k_cache, v_cache = kv_cache
         if meta.decode_mask is not None:
             # One query per sequence: all sequences in one call over keys padded to the longest
-            # context; the mask hides the padding (the cache is zero-initialised, never NaN).
+            # context; the mask hides the padding. Padding rows hold finite values (zeros, or
+            # an earlier owner's keys), never NaN, so their zero weights stay zero.
             max_len = meta.decode_mask.shape[-1]
-            keys = self.transpose(k_cache[meta.decode_slots, :max_len], 1, 2)  # [S, kv_heads, max_len, D]
-            values = self.transpose(v_cache[meta.decode_slots, :max_len], 1, 2)
+            S, width = meta.block_tables.shape
+            flat = meta.block_tables.reshape([-1])
+            keys = self.index_rows(k_cache, flat)  # [S * W, block_size, kv_heads, D]
+            values = self.index_rows(v_cache, flat)
+            shape = [S, width * meta.block_size, keys.shape[-2], keys.shape[-1]]
+            keys = self.transpose(keys.reshape(shape)[:, :max_len], 1, 2)  # [S, kv_heads, max_len, D]
+            values = self.transpose(values.reshape(shape)[:, :max_len], 1, 2)
             return self.sdpa(q.unsqueeze(2), keys, values, meta.decode_mask, False, scale)[:, :, 0, :]
         outs = []
-        for (slot, context, n, start), mask in zip(meta.seqs, meta.masks):
+        for (context, n, start), blocks, mask in zip(meta.seqs, meta.seq_blocks, meta.masks):
             end = context + n
             o = self.sdpa(self.transpose(q[start:start + n], 0, 1).unsqueeze(0),
-                          self.transpose(k_cache[slot, :end], 0, 1).unsqueeze(0),
-                          self.transpose(v_cache[slot, :end], 0, 1).unsqueeze(0),
+                          self.transpose(self.gather_keys(k_cache, blocks, end), 0, 1).unsqueeze(0),
+                          self.transpose(self.gather_keys(v_cache, blocks, end), 0, 1).unsqueeze(0),
                           mask, mask is None and n > 1, scale)
             outs.append(self.transpose(o[0], 0, 1))
         return outs[0] if len(outs) == 1 else self.cat(outs, 0)
@@ -228,8 +240,24 @@ class Ops:
         """Whether ``capture_decode_graphs`` can make replayable decode steps for this model."""
         return False
 
-    def capture_decode_graphs(self, model, kv_caches: list, max_num_seqs: int, pad_slot: int, next_tokens):
+    def capture_decode_graphs(self, model, kv_caches: list, max_num_seqs: int, max_blocks_per_seq: int,
+                              next_tokens):
         """Replayable decode steps (CUDA graphs; ``glm_fused.torch_backend.cuda_graph``)."""
+        raise NotImplementedError
+
+    def memory_info(self, device) -> tuple[int, int] | None:
+        """``(free, total)`` bytes of a GPU device; None for a CPU (no fixed memory to size from)."""
+        return None
+
+    def reset_peak_memory(self, device) -> None:
+        """Start counting this process's peak allocation on ``device`` afresh."""
+
+    def peak_memory(self, device) -> int:
+        """The most bytes this framework's allocator held in tensors since ``reset_peak_memory``."""
+        raise NotImplementedError
+
+    def reserved_memory(self, device) -> int:
+        """Bytes this framework's caching allocator holds on ``device`` now (used or cached)."""
         raise NotImplementedError
 
     def synchronize(self, device) -> None:

@@ -196,6 +196,25 @@ class PaddleOps(Ops):
         if str(device) != "cpu":
             paddle.device.cuda.empty_cache()
 
+    # UNPROVEN on GPU (no paddlepaddle-gpu 3.x on this project's machines): Paddle has no
+    # mem_get_info, so "free" is the device's total less what this process's allocator holds;
+    # memory held by other processes or outside Paddle's allocator is not seen.
+    def memory_info(self, device):
+        if str(device) == "cpu":
+            return None
+        total = paddle.device.cuda.get_device_properties(device).total_memory
+        return total - paddle.device.cuda.memory_reserved(device), total
+
+    def reset_peak_memory(self, device) -> None:
+        if str(device) != "cpu":
+            paddle.device.cuda.reset_max_memory_allocated(device)
+
+    def peak_memory(self, device) -> int:
+        return paddle.device.cuda.max_memory_allocated(device)
+
+    def reserved_memory(self, device) -> int:
+        return paddle.device.cuda.memory_reserved(device)
+
     def call_flashinfer(self, kernel, partial, residual, weight, eps):
         # UNPROVEN on GPU: needs paddlepaddle-gpu 3.x beside a CUDA build of torch, which no
         # machine of this project has had (the DLPack round trip itself is tested on CPU). The

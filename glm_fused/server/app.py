@@ -169,12 +169,13 @@ def _observe(metrics: ServerMetrics, outs: list[RequestOutput]) -> None:
 
 # ---- the FastAPI app ---------------------------------------------------------------------
 def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str, pool: PreprocessPool,
-               max_model_len: int, max_body_bytes: int, api_key: str | None = None,
+               max_model_len: int | None, max_body_bytes: int, api_key: str | None = None,
                info: dict | None = None) -> FastAPI:
     """``pool`` prepares requests (``preprocess_pool``); bodies over ``max_body_bytes`` get 413.
     ``info``: what the server runs (backend, TP, layout, fusion...), shown in /v1/models;
     the caller may fill it in after the model has loaded. Serve it with ``HttpServer``, whose
-    ``ClientWatch`` tells the handlers when a client hangs up."""
+    ``ClientWatch`` tells the handlers when a client hangs up. ``max_model_len``: the context
+    limit if known before loading (None: the engine's, once loaded)."""
     info = {} if info is None else info
     app = FastAPI(title="glm_fused", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, metrics.on_error)
@@ -204,9 +205,12 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
-        card = P.model_card(model_name, max_model_len)
+        engine = bridge.engine
+        card = P.model_card(model_name, engine.max_model_len if engine is not None else max_model_len)
         if info:
             card["glm_fused"] = info
+            if engine is not None:
+                card["glm_fused"] = {**info, "kv_cache": {**info.get("kv_cache", {}), **engine.kv_cache_stats()}}
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")

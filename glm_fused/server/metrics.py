@@ -44,6 +44,7 @@ class _EngineTotals:
         self.model_name = model_name
         self.lock = threading.Lock()
         self.steps = self.step_tokens = self.decode_steps = 0
+        self.prefix_queries = self.prefix_hits = self.preemptions = 0
         self.forward_seconds = self.decode_device_seconds = 0.0
         self.fused_by_impl: dict[str, int] = {}
         self.plain = 0
@@ -56,6 +57,10 @@ class _EngineTotals:
                        ("engine_forward_seconds", "Time rank 0's engine spent launching forwards and "
                                                   "waiting for their tokens.", self.forward_seconds),
                        ("engine_decode_steps", "Steps in which every sequence decoded one token.", self.decode_steps),
+                       ("prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache.",
+                        self.prefix_queries),
+                       ("prefix_cache_hits", "Tokens of admitted requests found in the prefix cache.", self.prefix_hits),
+                       ("num_preemptions", "Requests preempted (KV blocks given back, recomputed).", self.preemptions),
                        ("engine_decode_device_seconds", "Device time of those steps' forward and LM head "
                                                         "(the bound of the time per output token).",
                         self.decode_device_seconds),
@@ -90,9 +95,9 @@ class ServerMetrics:
             metric = kind(PREFIX + name, doc, labelnames=["model_name", *extra], registry=self.registry, **kwargs)
             return metric if extra else metric.labels(model_name)
 
-        self.running = make(Gauge, "num_requests_running", "Requests holding a KV-cache slot.")
-        self.waiting = make(Gauge, "num_requests_waiting", "Requests queued for a slot.")
-        self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache slots in use (0 to 1).")
+        self.running = make(Gauge, "num_requests_running", "Requests running (holding KV-cache blocks).")
+        self.waiting = make(Gauge, "num_requests_waiting", "Requests waiting (new, or preempted to be recomputed).")
+        self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0 to 1).")
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = make(Counter, "generation_tokens", "Generated tokens.")
         self._success = make(Counter, "request_success", "Finished requests, by finish reason.",
@@ -132,8 +137,8 @@ class ServerMetrics:
         """Copy the engine's gauges and running totals (``LLMEngine``'s attributes)."""
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
-        slots = engine.scheduler.max_num_seqs
-        self.kv_usage.set(engine.num_running / slots if slots else 0.0)
+        kv = engine.kv_cache_stats()
+        self.kv_usage.set(kv["usage"])
         fused, plain, fallbacks = {}, 0, {}
         for key, total in engine.fusion_totals.items():
             kind, _, detail = key.partition(":")
@@ -148,6 +153,8 @@ class ServerMetrics:
             totals.steps, totals.step_tokens = engine.num_steps, engine.num_forward_tokens
             totals.forward_seconds = engine.forward_seconds
             totals.decode_steps, totals.decode_device_seconds = engine.num_decode_steps, engine.decode_device_seconds
+            totals.prefix_queries, totals.prefix_hits = kv["prefix_cache_queries"], kv["prefix_cache_hits"]
+            totals.preemptions = kv["num_preemptions"]
             totals.fused_by_impl, totals.plain, totals.fallbacks = fused, plain, fallbacks
 
     # ---- exposition (HTTP thread) ----------------------------------------------------------

@@ -101,13 +101,15 @@ class PreprocessPool:
     """
 
     def __init__(self, config: dict, workers: int):
-        self.config = config
+        self.config = config  # may be completed until start() (the context limit is settled at load)
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._inline = make_preprocessor(config) if workers == 0 else None
+        self._inline = None
         self._workers = [_Worker(self, i) for i in range(workers)]
         self.restarts = 0
 
     def start(self) -> None:
+        if not self._workers:
+            self._inline = make_preprocessor(self.config)
         for w in self._workers:
             w.thread.start()
 

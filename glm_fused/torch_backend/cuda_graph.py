@@ -3,18 +3,23 @@
 A decode step at batch 1 is about twenty kernels per layer whose work takes microseconds;
 launched one by one from Python, the launches cost more than the work. Captured once and
 replayed, the whole stack is one launch. Everything a step changes lives in static device
-buffers (token ids, positions, cache slots, key counts) that are refilled before each replay;
-the kernels read lengths on the device, so one graph serves every context length.
+buffers (token ids, positions, cache rows, key counts, block tables) that are refilled before
+each replay; the kernels read lengths and block tables on the device, so one graph serves
+every context length.
 
 Batches are padded up to the next captured size; padding rows decode token 0 at position 0
-of the scratch KV slot ``pad_slot`` (one slot beyond the engine's), so they never touch a
-real sequence (the cost: one more KV slot, 1/max_num_seqs more cache). The fused all-reduce
-workspace must exist before capture (the runner makes it first). Graphs share one memory
-pool, captured largest first.
+with cache row -1 (the RoPE + KV-write kernel skips it, so no block is ever written) and
+read one key of block 0 (any block will do: the result is dropped). The block tables are
+``[max_num_seqs, max_blocks_per_seq]`` int32; a step copies the first ``batch size`` rows in
+full (contiguous, so one asynchronous copy from pinned memory: at 131,072 positions and
+16-token blocks that is 32 KiB per row). The fused all-reduce workspace must exist before
+capture (the runner makes it first). Graphs share one memory pool, captured largest first.
 
 An input id of -1 is a placeholder for the token the previous step sampled for that
 sequence (the engine schedules a step before the previous one's tokens reach the host):
-inside the graph it is read from ``next_tokens[slot]``, the runner's device buffer.
+inside the graph it is read from ``next_tokens[row]``, the runner's device buffer. The host
+staging is double-buffered: the engine fills the next step's inputs while the copy out of
+the last one may still be queued behind the step running on the device.
 """
 
 from __future__ import annotations
@@ -36,30 +41,34 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """The captured decode steps of one model and KV cache; ``run(batch)`` replays one."""
 
-    def __init__(self, model, kv_caches: list, max_num_seqs: int, pad_slot: int, next_tokens: torch.Tensor):
-        self.model, self.pad_slot = model, pad_slot
+    def __init__(self, model, kv_caches: list, max_num_seqs: int, max_blocks_per_seq: int,
+                 next_tokens: torch.Tensor):
+        self.model = model
+        self.block_size = int(kv_caches[0][0].shape[1])
         self.sizes = capture_sizes(max_num_seqs)
         n = self.sizes[-1]
         dev = model.device
-        # rows: input ids, positions, slots, keys seen (= position + 1); one copy in per step
-        self.inputs = torch.zeros(4, n, dtype=torch.int64, device=dev)
-        # Two host staging buffers, taken in turn: the engine fills the next step's while the
-        # copy out of the last one may still be queued behind the step running on the device.
-        self._staging = [torch.zeros(4, n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self._copied = [None, None]  # the event after each buffer's last copy
+        # rows: input ids, positions, cache rows, keys seen (= position + 1), the sequence's row
+        # of per-sequence state; one copy in per step
+        self.inputs = torch.zeros(5, n, dtype=torch.int64, device=dev)
+        self.tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self._staging = [(torch.zeros(5, n, dtype=torch.int64, pin_memory=True),
+                          torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, pin_memory=True)) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # after each staging pair's last copy
         self._turn = 0
-        self._pinned = self._staging[0]
+        self._pinned, self._pinned_tables = self._staging[0]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, FusionStats]] = {}
         self._fill_padding(0)
         self.inputs.copy_(self._pinned)
         pool = None
         comm = model.comm
         for bs in reversed(self.sizes):
-            meta = AttentionMetadata.for_decode(self.inputs[2, :bs], self.inputs[1, :bs], self.inputs[3, :bs])
+            meta = AttentionMetadata.for_decode(self.inputs[2, :bs], self.tables[:bs], self.inputs[3, :bs],
+                                                self.block_size)
 
             def step(bs=bs, meta=meta):
-                ids, slots = self.inputs[0, :bs], self.inputs[2, :bs]
-                ids = torch.where(ids < 0, next_tokens[slots], ids)
+                ids = self.inputs[0, :bs]
+                ids = torch.where(ids < 0, next_tokens[self.inputs[4, :bs]], ids)
                 return model.forward_hidden(ids, self.inputs[1, :bs], meta, kv_caches)
 
             step()  # compile and warm every kernel outside the capture
@@ -77,24 +86,30 @@ class DecodeGraphs:
 
     def _fill_padding(self, start: int) -> None:
         pad = self._pinned[:, start:]
-        pad[0], pad[1], pad[2], pad[3] = 0, 0, self.pad_slot, 1
+        pad[0], pad[1], pad[2], pad[3], pad[4] = 0, 0, -1, 1, 0
+        self._pinned_tables[start:, 0] = 0
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.num_seqs <= self.sizes[-1] and bool(np.all(batch.query_lens == 1))
+        return (batch.num_seqs <= self.sizes[-1] and bool(np.all(batch.query_lens == 1))
+                and batch.block_tables.shape[1] <= self.tables.shape[1])
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Normed hidden states ``[S, H]`` of a decode batch (one token per sequence)."""
         S = batch.num_seqs
         bs = next(s for s in self.sizes if s >= S)
         self._turn ^= 1
-        self._pinned = self._staging[self._turn]
+        self._pinned, self._pinned_tables = self._staging[self._turn]
         if self._copied[self._turn] is not None:
             self._copied[self._turn].synchronize()  # two steps back: long done in practice
         host = self._pinned.numpy()
-        host[0, :S], host[1, :S], host[2, :S] = batch.input_ids, batch.positions, batch.slots
+        host[0, :S], host[1, :S] = batch.input_ids, batch.positions
+        host[2, :S] = batch.slot_mapping(self.block_size)
         host[3, :S] = batch.context_lens + 1
+        host[4, :S] = batch.rows
         self._fill_padding(S)
+        self._pinned_tables.numpy()[:S, :batch.block_tables.shape[1]] = batch.block_tables
         self.inputs[:, :bs].copy_(self._pinned[:, :bs], non_blocking=True)
+        self.tables[:bs].copy_(self._pinned_tables[:bs], non_blocking=True)
         self._copied[self._turn] = torch.cuda.Event()
         self._copied[self._turn].record()
         graph, out, stats = self.graphs[bs]

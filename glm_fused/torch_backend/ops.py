@@ -207,14 +207,14 @@ class TorchOps(Ops):
         if kernels.enabled(q):  # one launch rotates q and k and writes k, v to the cache
             from glm_fused.torch_backend.kernels.rotary import rope_and_store
 
-            return rope_and_store(positions, meta.token_slots, q, k, v, cos_cache, sin_cache, *kv_cache)
+            return rope_and_store(positions, meta.slot_mapping, q, k, v, cos_cache, sin_cache, *kv_cache)
         return super().rope_and_store(positions, q, k, v, cos_cache, sin_cache, rotary_dim, meta, kv_cache)
 
     def attention(self, q, meta, kv_cache, scale):
-        if meta.seq_lens is not None and kernels.enabled(q):  # decode: split-K over each sequence's keys
+        if meta.seq_lens is not None and kernels.enabled(q):  # decode: split-K over each sequence's blocks
             from glm_fused.torch_backend.kernels.decode_attention import decode_attention
 
-            return decode_attention(q, *kv_cache, meta.decode_slots, meta.seq_lens, scale)
+            return decode_attention(q, *kv_cache, meta.block_tables, meta.seq_lens, scale)
         return super().attention(q, meta, kv_cache, scale)
 
     def moe(self, x, router_logits, bias, routing: Routing, gate_up, down, expert_range, shared_gate_up,
@@ -317,11 +317,26 @@ class TorchOps(Ops):
         # Graphs need the Triton path: the plain ops sync with the host (the expert loop).
         return model.device.type == "cuda" and kernels.enabled(model.embed_tokens.weight)
 
-    def capture_decode_graphs(self, model, kv_caches, max_num_seqs, pad_slot, next_tokens):
+    def capture_decode_graphs(self, model, kv_caches, max_num_seqs, max_blocks_per_seq, next_tokens):
         from glm_fused.torch_backend.cuda_graph import DecodeGraphs
 
         with torch.inference_mode():
-            return DecodeGraphs(model, kv_caches, max_num_seqs, pad_slot=pad_slot, next_tokens=next_tokens)
+            return DecodeGraphs(model, kv_caches, max_num_seqs, max_blocks_per_seq, next_tokens)
+
+    def memory_info(self, device):
+        if torch.device(device).type != "cuda":
+            return None
+        return torch.cuda.mem_get_info(device)
+
+    def reset_peak_memory(self, device) -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def peak_memory(self, device) -> int:
+        return torch.cuda.max_memory_allocated(device)
+
+    def reserved_memory(self, device) -> int:
+        return torch.cuda.memory_reserved(device)
 
     def synchronize(self, device) -> None:
         if torch.device(device).type == "cuda":

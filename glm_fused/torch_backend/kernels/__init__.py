@@ -60,3 +60,21 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def interpreter_numpy2_fix() -> None:
+    """Triton's CPU interpreter turns a one-element array into an int with ``int(array)``,
+    which numpy 2 refuses for 1-d arrays (program ids are such arrays); index them instead.
+    For tests and dry runs under ``TRITON_INTERPRET=1``."""
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_glm_fused_patched", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._glm_fused_patched = True

@@ -2,9 +2,15 @@
 
 Split-K ("flash decoding"): stage 1 gives each (sequence, kv head, split) program a slice of
 the keys and all the query heads that share that kv head (GQA), with an online softmax;
-stage 2 merges the splits by their log-sum-exp. Lengths are read on the device, so one
-launch shape serves every step of a CUDA graph. Only ``seq_lens[s]`` keys are read: no mask,
-no padding traffic.
+stage 2 merges the splits by their log-sum-exp. Lengths and block tables are read on the
+device, so one launch shape serves every step of a CUDA graph. Only ``seq_lens[s]`` keys are
+read: no mask, no padding traffic.
+
+The keys come from the paged cache (``decode_attention``: ``[num_blocks, block_size, kv_heads,
+D]`` and a block table per sequence) or, for comparison, from the contiguous one-slot-per-sequence
+cache the engine used before paging (``contiguous_decode_attention``: ``[slots, max_len, kv_heads,
+D]``, scripts/bench_attention.py's baseline). One kernel serves both; the layout is a
+compile-time switch, so the contiguous build does the earlier kernel's arithmetic and nothing more.
 """
 
 from __future__ import annotations
@@ -20,15 +26,14 @@ TARGET_PROGRAMS = 264  # about two per multiprocessor of an H100/H200
 
 
 @triton.jit
-def _stage1(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, o_ptr, lse_ptr, scale,
-            stride_qs, stride_qh, stride_cslot, stride_cpos, stride_ch,
+def _stage1(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale,
+            stride_qs, stride_qh, stride_table, stride_cblock, stride_cpos, stride_ch,
             stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
             GROUP: tl.constexpr, GROUP_B: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
-            BLOCK: tl.constexpr, PREC: tl.constexpr):
+            BLOCK: tl.constexpr, PREC: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    slot = tl.load(slot_ptr + s).to(tl.int64)
     length = tl.load(len_ptr + s).to(tl.int32)
     per = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK) * BLOCK
     start = split * per
@@ -39,14 +44,26 @@ def _stage1(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, o_ptr, lse_ptr, scale,
     gm = g < GROUP
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + s * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
-    base = slot * stride_cslot + kvh * stride_ch
+    if PAGED:
+        base = kvh * stride_ch
+        table = table_ptr + s * stride_table
+    else:  # contiguous: the table holds one slot per sequence
+        base = tl.load(table_ptr + s).to(tl.int64) * stride_cblock + kvh * stride_ch
     m = tl.full([GROUP_B], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_B], tl.float32)
     acc = tl.zeros([GROUP_B, HEAD_DIM], tl.float32)
     for n0 in range(start, end, BLOCK):  # a split past the end runs no iteration
         n = n0 + tl.arange(0, BLOCK)
         nm = n < end
-        offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
+        if PAGED:
+            if PAGE >= BLOCK:  # tiles start at multiples of BLOCK: one page holds the whole tile
+                page = tl.load(table + n0 // PAGE).to(tl.int64)
+            else:
+                page = tl.load(table + n // PAGE, mask=nm, other=0).to(tl.int64)
+            rows = page * stride_cblock + (n % PAGE).to(tl.int64) * stride_cpos
+        else:
+            rows = n.to(tl.int64) * stride_cpos
+        offs = base + rows[:, None] + d[None, :]
         k = tl.load(k_ptr + offs, mask=nm[:, None], other=0.0)
         v = tl.load(v_ptr + offs, mask=nm[:, None], other=0.0)
         sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
@@ -87,10 +104,24 @@ def num_splits(num_seqs: int, num_kv_heads: int) -> int:
     return max(1, min(64, TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)))
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [S, heads, D]``; sequence s attends to ``cache[slots[s], :seq_lens[s]]``
-    (``[slots, max_len, kv_heads, D]``, new key already written). Returns ``[S, heads, D]``."""
+    """``q [S, heads, D]``; sequence s attends to its first ``seq_lens[s]`` positions, found
+    through ``block_tables [S, W]`` in the paged cache ``[num_blocks, block_size, kv_heads, D]``
+    (new key already written). Returns ``[S, heads, D]``."""
+    page = k_cache.shape[1]
+    assert page == next_pow2(page), "block_size must be a power of two"
+    return _launch(q, k_cache, v_cache, block_tables, block_tables.stride(0), seq_lens, scale, True, page)
+
+
+def contiguous_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same over a contiguous cache ``[slots, max_len, kv_heads, D]``: sequence s reads
+    ``cache[slots[s], :seq_lens[s]]`` (the layout before paging; the benchmark's baseline)."""
+    return _launch(q, k_cache, v_cache, slots, 0, seq_lens, scale, False, 1)
+
+
+def _launch(q, k_cache, v_cache, table, stride_table, seq_lens, scale, paged, page):
     S, nh, D = q.shape
     nkv = k_cache.shape[2]
     group = nh // nkv
@@ -103,11 +134,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if S == 0:
         return out
     _stage1[(S, nkv, splits)](
-        q, k_cache, v_cache, slots, seq_lens, o, lse, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_cache, v_cache, table, seq_lens, o, lse, scale,
+        q.stride(0), q.stride(1), stride_table, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_B=max(16, next_pow2(group)), HEAD_DIM=D, SPLITS=splits, BLOCK=BLOCK_N,
-        PREC=dot_precision(q.dtype), num_warps=4, num_stages=2)
+        PREC=dot_precision(q.dtype), PAGED=paged, PAGE=page, num_warps=4, num_stages=2)
     _stage2[(S, nh)](o, lse, out, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
                      out.stride(0), out.stride(1), SPLITS=splits, SPLITS_B=next_pow2(splits), HEAD_DIM=D,
                      num_warps=4)

@@ -1,8 +1,9 @@
 """Partial NeoX RoPE on q and k, and the KV-cache write, in one launch.
 
 One program per (token, block of 16 heads): q heads are rotated in place; k heads are rotated
-and stored, with the matching v heads, at ``cache[slot, position]``. Same arithmetic as
-``layers.rotary_embedding``: fp32 rotation of the first ``rotary_dim`` dims, rounded back.
+and stored, with the matching v heads, at the token's cache row ``slot_mapping[t]`` (``block *
+block_size + offset`` of the paged cache; -1: not stored, for CUDA-graph padding). Same
+arithmetic as ``Ops.rope``: fp32 rotation of the first ``rotary_dim`` dims, rounded back.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from glm_fused.torch_backend.kernels import next_pow2
 @triton.jit
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                       stride_cs, stride_cslot, stride_cpos, stride_ch,
+                       stride_cs, stride_crow, stride_ch,
                        NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, HALF_B: tl.constexpr,
                        HEAD_DIM: tl.constexpr, D_B: tl.constexpr, HB: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -35,11 +36,11 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
         src = q_ptr + t * stride_qt + heads[:, None] * stride_qh
         dst = src
     else:  # a block of kv heads: rotated k and plain v go to the cache
+        slot = tl.load(slot_ptr + t).to(tl.int64)
         heads = (blk - Q_BLOCKS) * HB + hh
-        hm = heads < NUM_KV
+        hm = (heads < NUM_KV) & (slot >= 0)
         src = k_ptr + t * stride_kt + heads[:, None] * stride_kh
-        slot = tl.load(slot_ptr + t)
-        row = slot * stride_cslot + pos * stride_cpos + heads[:, None] * stride_ch
+        row = slot * stride_crow + heads[:, None] * stride_ch
         dst = kc_ptr + row
         d = tl.arange(0, D_B)[None, :]
         dm = hm[:, None] & (d < HEAD_DIM)
@@ -58,22 +59,25 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
 HEADS_PER_PROGRAM = 16
 
 
-def rope_and_store(positions: torch.Tensor, token_slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+def rope_and_store(positions: torch.Tensor, slot_mapping: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """Rotate ``q [T, heads, D]`` in place and write rotated ``k`` and ``v`` ``[T, kv_heads, D]``
-    into ``cache[token_slots, positions]``; returns ``q``. ``cos_cache``: ``[positions, rotary_dim/2]``."""
+    into the paged cache ``[num_blocks, block_size, kv_heads, D]`` at row ``slot_mapping[t]``
+    of its flattened ``[num_blocks * block_size]`` positions (skipped where -1); returns ``q``.
+    ``cos_cache``: ``[positions, rotary_dim/2]``."""
     T, nh, D = q.shape
     nkv = k.shape[1]
     half = cos_cache.shape[1]
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and k_cache.stride(3) == 1
     assert k_cache.stride() == v_cache.stride() and cos_cache.stride() == sin_cache.stride()
+    assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1), "blocks must be laid out back to back"
     hb = HEADS_PER_PROGRAM
     if T:
         _rope_store_kernel[(T, triton.cdiv(nh, hb) + triton.cdiv(nkv, hb))](
-            q, k, v, positions, token_slots, cos_cache, sin_cache, k_cache, v_cache,
+            q, k, v, positions, slot_mapping, cos_cache, sin_cache, k_cache, v_cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cos_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            cos_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             NUM_HEADS=nh, NUM_KV=nkv, HALF=half, HALF_B=next_pow2(half), HEAD_DIM=D, D_B=next_pow2(D), HB=hb,
             num_warps=2)
     return q

@@ -1,0 +1,176 @@
+"""Decode attention alone on one GPU: the paged kernel (per block size) against the contiguous
+one-slot-per-sequence kernel the engine used before paging, at GLM-4.5-Air's attention sizes.
+
+For each batch x context: the same keys and values laid out both ways (the paged copy's
+blocks shuffled over the cache, as a busy server leaves them), both kernels checked against
+each other, then timed as served: replayed from a CUDA graph, each replay running the kernel
+over enough separate caches ("layers") that they do not fit in L2 together, as in a real step
+where 46 layers' weights pass between two reads of one layer's cache. Prints microseconds per
+call and the paged / contiguous ratio (the target: at most 1.1x).
+
+    python scripts/bench_attention.py                       # GPU: batch 1/8/32/64 x context 512..4096
+    python scripts/bench_attention.py --device cpu --dry-run   # Triton's CPU interpreter, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from glm_fused.errors import UserError
+
+L2_FLUSH_BYTES = 256 * 2**20  # the caches one replay walks through (H100/H200 L2: 50-60 MB)
+MAX_LAYERS = 64
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scripts/bench_attention.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
+                   help="cpu: Triton's CPU interpreter (checks the script and kernels; times mean nothing)")
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes, one timed call (with --device cpu)")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--contexts", default="512,1024,2048,4096")
+    p.add_argument("--block-sizes", default="16,32,64,128")
+    p.add_argument("--heads", type=int, default=96, help="query heads (GLM-4.5-Air: 96)")
+    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (GLM-4.5-Air: 8)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--iters", type=int, default=50, help="timed replays per case")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    return p
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise UserError(f"{flag} {text!r}: positive integers")
+    return values
+
+
+def case(torch, kernels, B: int, C: int, pages: list[int], args, device, dtype) -> dict:
+    """One batch x context: contiguous and every paged layout, checked, then timed."""
+    g = torch.Generator(device="cpu").manual_seed(args.seed + B * 7919 + C)
+    H, KV, D = args.heads, args.kv_heads, args.head_dim
+    per_layer = 2 * B * C * KV * D * (2 if dtype == torch.bfloat16 else 4)
+    layers = 1 if args.dry_run else max(1, min(MAX_LAYERS, -(-L2_FLUSH_BYTES // per_layer)))
+    q = torch.randn(B, H, D, generator=g).to(device, dtype)
+    seq_lens = torch.full((B,), C, dtype=torch.int64, device=device)
+    slots = torch.arange(B, device=device)
+    # Contiguous: [B, C, kv, D] per layer (sequence s in slot s).
+    kc = [torch.randn(B, C, KV, D, generator=g).to(device, dtype) for _ in range(layers)]
+    vc = [torch.randn(B, C, KV, D, generator=g).to(device, dtype) for _ in range(layers)]
+    scale = D ** -0.5
+    row = {"batch": B, "context": C, "layers_per_replay": layers}
+    ref = kernels.contiguous_decode_attention(q, kc[0], vc[0], slots, seq_lens, scale)
+    row["contiguous_us"] = timed(torch, lambda: [kernels.contiguous_decode_attention(q, k, v, slots, seq_lens, scale)
+                                                 for k, v in zip(kc, vc)], device, args) / layers
+    for page in pages:
+        width = -(-C // page)
+        num_blocks = B * width
+        perm = torch.randperm(num_blocks, generator=g).to(device)
+        tables = perm.view(B, width).to(torch.int32)  # sequence s's i-th block is perm[s * width + i]
+        pk, pv = [], []
+        for k, v in zip(kc, vc):
+            padded = [torch.zeros(B, width * page, KV, D, dtype=dtype, device=device) for _ in range(2)]
+            padded[0][:, :C], padded[1][:, :C] = k, v
+            paged = [torch.empty(num_blocks, page, KV, D, dtype=dtype, device=device) for _ in range(2)]
+            paged[0][perm] = padded[0].view(num_blocks, page, KV, D)
+            paged[1][perm] = padded[1].view(num_blocks, page, KV, D)
+            pk.append(paged[0])
+            pv.append(paged[1])
+            del padded
+        out = kernels.decode_attention(q, pk[0], pv[0], tables, seq_lens, scale)
+        row[f"page{page}_max_rel_diff"] = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+        row[f"page{page}_us"] = timed(torch, lambda: [kernels.decode_attention(q, k, v, tables, seq_lens, scale)
+                                                      for k, v in zip(pk, pv)], device, args) / layers
+        row[f"page{page}_ratio"] = row[f"page{page}_us"] / row["contiguous_us"]
+        del pk, pv
+    return row
+
+
+def timed(torch, fn, device, args) -> float:
+    """Microseconds per replay of ``fn`` captured in a CUDA graph (on CPU: one plain call)."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    from glm_fused.cli.bench_layers import graphed
+
+    replay = graphed(fn, device)
+    for _ in range(3):
+        replay()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.iters):
+        replay()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / args.iters * 1e3
+
+
+def format_table(rows: list[dict], pages: list[int]) -> str:
+    head = f"{'batch':>5} {'context':>7} {'contiguous us':>14}" + "".join(
+        f"{f'paged {p} us':>14}{'ratio':>7}" for p in pages)
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['batch']:>5} {r['context']:>7} {r['contiguous_us']:>14.1f}" + "".join(
+            f"{r[f'page{p}_us']:>14.1f}{r[f'page{p}_ratio']:>7.3f}" for p in pages))
+    for p in pages:
+        ratios = [r[f"page{p}_ratio"] for r in rows]
+        lines.append(f"block size {p}: paged / contiguous worst {max(ratios):.3f}x, mean "
+                     f"{sum(ratios) / len(ratios):.3f}x, largest output difference "
+                     f"{max(r[f'page{p}_max_rel_diff'] for r in rows):.1e}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        batches, contexts = _ints(args.batches, "--batches"), _ints(args.contexts, "--contexts")
+        pages = _ints(args.block_sizes, "--block-sizes")
+        if any(p & (p - 1) for p in pages):
+            raise UserError(f"--block-sizes {args.block_sizes}: powers of two")
+        if args.dry_run:
+            if args.device != "cpu":
+                raise UserError("--dry-run: the tiny sizes are for --device cpu")
+            batches, contexts, pages = [2], [100], [16, 64]
+            args.heads, args.kv_heads, args.head_dim, args.dtype = 8, 2, 32, "float32"
+        if args.device == "cpu":
+            os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+        import torch
+
+        if args.device == "gpu" and not torch.cuda.is_available():
+            raise UserError("--device gpu: no CUDA GPU visible (use --device cpu --dry-run to check the script)")
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    from glm_fused.torch_backend import kernels as switch
+    from glm_fused.torch_backend.kernels import decode_attention as kernels
+
+    if args.device == "cpu":
+        switch.interpreter_numpy2_fix()
+    device = torch.device("cuda", 0) if args.device == "gpu" else torch.device("cpu")
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for B in batches:
+        for C in contexts:
+            rows.append(case(torch, kernels, B, C, pages, args, device, dtype))
+            print(f"batch {B} context {C}: contiguous {rows[-1]['contiguous_us']:.1f} us, " + ", ".join(
+                f"paged {p} {rows[-1][f'page{p}_ratio']:.3f}x" for p in pages), file=sys.stderr, flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print(format_table(rows, pages))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    print(f"device: {name}; {args.heads} q heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, {args.dtype}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "args": vars(args), "rows": rows}, f, indent=2)
+    return 0
