@@ -346,7 +346,7 @@ def test_64_concurrent_requests_sharing_a_long_system_prompt_all_complete(server
     # them cannot: allow a few.
     assert metric(server, "prefix_cache_hits_total") - hits_before >= 56 * 144
     text = httpx.get(f"{server.url}/metrics").text
-    assert "# TYPE glm_fused_kv_cache_usage_perc gauge" in text and "glm_fused_num_preemptions_total" in text
+    assert "# TYPE glm_fused:kv_cache_usage_perc gauge" in text and "glm_fused:num_preemptions_total" in text
     assert metric(server, "num_requests_running") == 0 and metric(server, "kv_cache_usage_perc") == 0.0
     kv = httpx.get(f"{server.url}/v1/models").json()["data"][0]["glm_fused"]["kv_cache"]
     assert kv["prefix_cache_hits"] >= 56 * 144 and kv["usage"] == 0.0
@@ -528,6 +528,7 @@ def fake_server(request):
                            "tokenizer_dir": str(tokenizer.model_dir) if tokenizer else None}, workers=0)
     app = create_app(bridge, metrics, model_name="fake", pool=pool, max_model_len=64,
                      api_key=opts.get("api_key"), max_body_bytes=opts.get("max_body_bytes", 4 * 2**20))
+    pool.start()
     for middleware in opts.get("middleware", []):
         app.middleware("http")(middleware)
     port = free_port()
@@ -657,7 +658,7 @@ def test_bench_serve_reports_side_by_side(fake_server, tmp_path, capsys):
 def test_bench_serve_paged_cache_checks(fake_server, tmp_path, capsys):
     """--prefix-cache-ttft: pairs of uncached / cached prefixes, the hits seen in /metrics;
     --min-running: the most requests running at once, read from /metrics (2 = max_num_seqs)."""
-    from glm_fused.cli import bench_serve
+    from bench import bench_serve
 
     url, _ = fake_server
     out = tmp_path / "prefix.json"

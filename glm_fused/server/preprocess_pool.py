@@ -106,12 +106,14 @@ class PreprocessPool:
         self._inline = None
         self._workers = [_Worker(self, i) for i in range(workers)]
         self.restarts = 0
+        self.started = False
 
     def start(self) -> None:
         if not self._workers:
             self._inline = make_preprocessor(self.config)
         for w in self._workers:
             w.thread.start()
+        self.started = True
 
     def close(self) -> None:
         for _ in self._workers:
@@ -124,6 +126,8 @@ class PreprocessPool:
         return [w.proc.pid for w in self._workers if w.proc is not None and w.proc.poll() is None]
 
     async def prepare(self, kind: str, body: bytes) -> Prepared:
+        if not self.started:  # requests are answered 503 until the model is loaded; never here
+            raise RuntimeError("the preprocessing pool has not been started")
         if self._inline is not None:
             return await asyncio.to_thread(self._inline.prepare, kind, body)
         job = _Job(kind, body)
