@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from glm_fused import tiny
-from glm_fused.engine.sampling import InvalidParam, SamplingParams, sample
+from glm_fused.engine.sampling import InvalidParam, SamplingParams, row_key, sample
 from glm_fused.engine.structured import (StructuredOutputs, apply_bitmask_numpy, apply_bitmask_torch,
                                          bitmask_to_bool, request_format)
 from glm_fused.server.chat import parse_answer, resolve_tool_choice
@@ -73,10 +73,10 @@ def decode_random(so, compiled, seed: int, params: SamplingParams, forced: list[
     for t in forced:
         assert state.accept(t)
     row = so.allocate_bitmask(1)
-    for _ in range(MAX_TOKENS):
+    for step in range(MAX_TOKENS):
         logits = rng.standard_normal(so.vocab_size).astype(np.float32)
         state.fill(row)
-        token = sample(apply_bitmask_numpy(logits, row[0]), params, rng)
+        token = sample(apply_bitmask_numpy(logits, row[0]), params, row_key(seed, step))
         assert state.accept(token)
         if token in so.stop_token_ids:
             assert state.terminated

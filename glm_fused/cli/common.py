@@ -74,7 +74,8 @@ class Rank:
                     why = env.flashinfer_error or choose_impl(env, dtype=a.dtype, num_tokens=1)[1]
                 fusion = "reference (all-reduce + add + RMSNorm" + (f"; {why})" if why else ")")
         kv = self.kv_cache_bytes()
-        return (f"backend={a.backend} device={a.device} tp={self.world} dtype={a.dtype} "
+        backend = a.backend + (f" ({a.backend_reason})" if a.backend_reason else "")
+        return (f"backend={backend} device={a.device} tp={self.world} dtype={a.dtype} "
                 f"layout={'fused' if a.fused else 'unfused'} fusion={fusion}; "
                 f"KV cache {a.max_num_seqs} slots x {a.max_model_len} tokens = {kv / 2**20:.1f} MiB per rank; "
                 f"max {a.max_num_batched_tokens} tokens per step; decode {runner.decode_mode()}")

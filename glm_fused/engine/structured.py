@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from glm_fused.engine.sampling import InvalidParam
+from glm_fused.engine.sampling import InvalidParam, bitmask_to_bool  # noqa: F401 - bitmask_to_bool is part of this API
 from glm_fused.errors import UserError
 
 # Longest run of whitespace allowed inside JSON: room for pretty-printed nesting, but a weak
@@ -241,6 +241,12 @@ class GrammarState:
         """Write the allowed next tokens into ``bitmask[row]`` (numpy or a CPU torch tensor)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def next_bitmask(self) -> np.ndarray:
+        """The allowed next tokens as one bitmask row (int32 words), for the sampler."""
+        row = np.full((1, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
+        self.fill(row)
+        return row[0]
+
     def allowed(self) -> np.ndarray:
         """The allowed next tokens as a bool vector (for tests and the numpy sampler)."""
         row = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
@@ -263,12 +269,6 @@ class GrammarState:
 
 
 # ---- applying the mask ----------------------------------------------------------------------
-def bitmask_to_bool(row: np.ndarray, vocab_size: int) -> np.ndarray:
-    """One bitmask row as bools: token ``t`` is bit ``t % 32`` of word ``t // 32``."""
-    words = np.ascontiguousarray(np.asarray(row, dtype=np.int32).astype("<i4", copy=False))
-    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
-
-
 def apply_bitmask_numpy(logits: np.ndarray, row: np.ndarray) -> np.ndarray:
     """Disallowed tokens' logits to -inf, in place (one row ``[vocab]``); returns ``logits``."""
     allowed = bitmask_to_bool(row, logits.shape[-1])
