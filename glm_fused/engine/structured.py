@@ -86,6 +86,8 @@ def _json_safe(schema: Any) -> Any:
     if bounded and is_string_property(out) and not any(k in out for k in ("pattern", "format", "enum", "const")):
         low, high = out.get("minLength", 0), out.get("maxLength")
         out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{"" if high is None else high}}}$'
+        out.pop("minLength", None)  # the pattern holds the bounds (xgrammar warns about both at once)
+        out.pop("maxLength", None)
     return out
 
 
