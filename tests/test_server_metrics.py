@@ -19,7 +19,8 @@ REASON = 'workspace too small for 4096 tokens ("max_token_num"=2048)\nsecond lin
 
 def fake_engine(**overrides):
     engine = SimpleNamespace(num_running=3, num_waiting=2, scheduler=SimpleNamespace(max_num_seqs=8),
-                             num_steps=11, num_forward_tokens=123, forward_seconds=0.75,
+                             num_steps=11, num_forward_tokens=123, forward_seconds=0.75, num_decode_steps=9,
+                             decode_device_seconds=0.5,
                              fusion_totals={"fused_allreduce_norm_calls": 40, "plain_allreduce_calls": 0,
                                             "fused_impl:flashinfer": 30, "fused_impl:reference": 10,
                                             f"fallback_reasons:{REASON}": 6, "fallback_reasons:tp 3": 4})

@@ -423,7 +423,7 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
             if choice.wants_logprobs and out.new_token_ids:
                 logprobs = chat_logprobs(choice.new_logprobs(len(out.new_token_ids)), texts)
             if delta or out.finished or logprobs:
-                reason = choice.parser.finish_reason(out.finish_reason) if out.finished else None
+                reason = choice.chat_finish_reason(out.finish_reason) if out.finished else None
                 yield P.chat_chunk(rid, model_name, created, delta, reason, choice.index, logprobs)
         n_out = sum(len(c.token_ids) for c in by_id.values())
         log_line[ACCESS_NOTE] = _note(rid, prompt_tokens, n_out, [c.finish_reason for c in by_id.values()])

@@ -142,4 +142,9 @@ class Choice:
         parser.feed("".join(self.pieces), final=True)
         logprobs = chat_logprobs(self.new_logprobs(len(self.token_ids)), self.texts) if self.wants_logprobs else None
         return {"index": self.index, "message": parser.message(), "logprobs": logprobs,
-                "finish_reason": parser.finish_reason(self.finish_reason)}
+                "finish_reason": self.chat_finish_reason(self.finish_reason)}
+
+    def chat_finish_reason(self, reason: str | None) -> str | None:
+        """``tool_calls`` when the answer called tools, except for a named tool_choice, which
+        OpenAI (and vLLM) end with ``stop``."""
+        return reason if self.prep.tool_mode == "named" else self.parser.finish_reason(reason)

@@ -46,6 +46,7 @@ class Prepared:
     ``prompts``: token ids of each prompt (completions may send several); each runs ``n``
     times. ``prompt_texts``: the prompts as text, for ``echo``. Chat: ``tools`` are the
     request's tools when tool calls are parsed from the answer (None: not parsed),
+    ``tool_mode`` the resolved tool_choice (none, auto, required, named),
     ``reasoning`` whether the glm45 reasoning parser splits it, ``prompt_tail`` the end of
     the rendered prompt (where the answer starts), ``grammar`` the xgrammar structural tag
     (JSON) the answer must follow. ``result``: the whole answer of a tokenizer endpoint.
@@ -61,6 +62,7 @@ class Prepared:
     echo: bool = False
     prompt_texts: list[str] | None = None
     tools: list[dict] | None = None
+    tool_mode: str = "none"
     reasoning: bool = False
     prompt_tail: str = ""
     grammar: str | None = None
@@ -198,7 +200,7 @@ class RequestPreprocessor:
         grammar = self._grammar(req, tools, mode, name, thinking=start_state(text) != CONTENT)
         parse_tools = mode in ("required", "named") or (mode == "auto" and bool(tools))
         return Prepared("chat", [ids], params, n=req.n, stream=req.stream, include_usage=req.include_usage,
-                        tools=tools if parse_tools else None, reasoning=self.options["reasoning_parser"] == "glm45",
+                        tools=tools if parse_tools else None, tool_mode=mode, reasoning=self.options["reasoning_parser"] == "glm45",
                         prompt_tail=tail, grammar=grammar)
 
     def tokenize(self, req: P.TokenizeRequest) -> Prepared:

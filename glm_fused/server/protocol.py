@@ -77,7 +77,7 @@ class _Common(BaseModel):
     def _check_common(self) -> None:
         for name, why in REFUSED.items():
             value = (self.model_extra or {}).get(name, getattr(self, name, None))
-            if value not in (None, False, "", [], {}):
+            if value is not None:
                 raise ApiError(400, why, param=name)
         if not 1 <= self.n <= MAX_CHOICES:
             raise ApiError(400, f"n must be in 1..{MAX_CHOICES}, got {self.n}", param="n")
@@ -163,7 +163,7 @@ class ChatCompletionRequest(_Common):
 
     def check(self, max_logprobs: int) -> None:
         self._check_common()
-        if self.max_tokens is None and self.max_completion_tokens is not None:
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins, as in vLLM
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None:
             if not self.logprobs:
