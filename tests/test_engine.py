@@ -571,3 +571,49 @@ def test_unseeded_requests_follow_the_global_seed():
     assert outputs(0) != outputs(1)
     a, b = outputs(5)
     assert a != b or PROMPTS[0] == PROMPTS[1]
+
+
+# ---- the real runner: logprobs of the model's own forward ------------------------------------
+def _runner_run(backend: str) -> list[int]:
+    """Prompt and output logprobs of the tiny checkpoint (TP 1, CPU) checked against the
+    runner's plain forward; returns the seeded draws of a second request."""
+    from glm_fused.cli.common import Rank
+    from glm_fused.engine_args import EngineArgs
+    from glm_fused.tiny import ensure_tiny_checkpoint
+    from glm_fused.tokenizer import Tokenizer
+
+    args = EngineArgs(model="glm-4.5-air-tiny", backend=backend, device="cpu", max_num_seqs=2, max_model_len=64,
+                      max_num_batched_tokens=8).resolve()
+    rank = Rank(args)
+    runner = rank.build_runner()
+    tok = Tokenizer(ensure_tiny_checkpoint())
+    engine = LLMEngine(runner, args, vocab_size=rank.config.vocab_size, tokenizer=tok)
+    prompt = tok.encode("The lighthouse stands at the end of the long road", add_special_tokens=True)
+    scored = engine.add_request("a", prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=2,
+                                                            prompt_logprobs=1, repetition_penalty=1.3))
+    drawn = engine.add_request("b", prompt[:5], SamplingParams(max_tokens=5, temperature=1.0, seed=4, min_p=0.05,
+                                                               logit_bias={3: 2.0}))
+    while engine.has_unfinished():
+        engine.step()
+    full = prompt + scored.output_token_ids
+    args.max_num_batched_tokens = 64  # one forward over the whole sequence
+    logits = runner.forward(ForwardBatch.prefill([full], all_logits=True)).astype(np.float64)
+    runner.close()
+    lp = logits - logits.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    entries = scored.prompt_logprobs[1:] + scored.output_logprobs
+    assert len(entries) == len(full) - 1 and scored.prompt_logprobs[0] is None
+    for i, (chosen, ids, values) in enumerate(entries):
+        assert abs(chosen - lp[i, full[i + 1]]) < 1e-4, (backend, i)
+        assert ids[0] == int(np.argmax(lp[i])) and abs(values[0] - lp[i].max()) < 1e-4, (backend, i)
+    return drawn.output_token_ids
+
+
+@pytest.mark.timeout(240)
+def test_runner_logprobs_are_the_forward_log_softmax():
+    """ModelRunner.execute: prompt logprobs of a prompt prefilled in chunks (8 tokens a step)
+    and output logprobs equal log_softmax of the plain forward over the whole sequence (fp32:
+    within 1e-4), on Paddle (host sampler) and torch (device sampler), whose seeded draws
+    under min_p, logit_bias and a penalised neighbour are the same."""
+    pytest.importorskip("torch")
+    assert _runner_run("paddle") == _runner_run("torch")
