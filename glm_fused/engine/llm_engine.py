@@ -213,10 +213,11 @@ class LLMEngine:
             if p.prompt_logprobs is not None and seq.in_prefill:
                 # Position i's logits score prompt token i + 1; the last prompt position's are
                 # the first sample's.
-                start = seq.num_computed
-                end = min(start + n, seq.prompt_len - 1)
+                # Positions already scored (a prompt computed again) are not scored twice.
+                first = seq.num_computed
+                start, end = max(first, len(seq.prompt_logprobs) - 1), min(first + n, seq.prompt_len - 1)
                 if end > start:
-                    prompt_rows.extend(range(int(offset), int(offset) + end - start))
+                    prompt_rows.extend(range(int(offset) + start - first, int(offset) + end - first))
                     targets.extend(seq.prompt_token_ids[start + 1:end + 1])
                     scored.append((seq, end - start))
                     top_n = max(top_n, p.prompt_logprobs)
