@@ -22,8 +22,12 @@ def pytest_configure(config):
 # ---- one tiny server for the OpenAI-API tests (test_openai_api.py, test_lm_eval.py) -------------
 # What a GLM user starts (`vllm serve`'s flags), at TP 2 on CPU, with a chat template of its own:
 # the checkpoint's, plus a `prefill` variable that appends text to the generation prompt.
+# GLM_FUSED_API_DEVICE=gpu (and GLM_FUSED_API_TP=1) runs the same tests on a GPU server (float32,
+# so that the comparisons with transformers keep their tolerance).
+API_DEVICE = os.environ.get("GLM_FUSED_API_DEVICE", "cpu")
+API_TP = int(os.environ.get("GLM_FUSED_API_TP", "2"))
 API_ENGINE_FLAGS = ["--max-num-seqs", "8", "--max-model-len", "1024", "--max-num-batched-tokens", "256",
-                    "--device", "cpu"]
+                    "--device", API_DEVICE, "--dtype", "float32"]
 API_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "glm45", "--reasoning-parser", "glm45",
              "--max-logprobs", "20", "--seed", "0"]
 PREFILL = "\n{%- if prefill is defined -%}{{- prefill -}}{%- endif -%}\n"
@@ -41,7 +45,7 @@ def api_server(tmp_path_factory):
     work = tmp_path_factory.mktemp("api_server")
     template = work / "chat_template.jinja"
     template.write_text(config["chat_template"] + PREFILL)
-    srv = Server(2, work / "serve.log", extra=[*API_FLAGS, "--chat-template", str(template)],
+    srv = Server(API_TP, work / "serve.log", extra=[*API_FLAGS, "--chat-template", str(template)],
                  engine_flags=API_ENGINE_FLAGS, model_args=[MODEL])  # the model as `vllm serve MODEL` takes it
     srv.template = template
     try:

@@ -149,12 +149,20 @@ def _mixed_rows(vocab: int, n: int = 40, with_rules: bool = True):
     return rows
 
 
-@pytest.mark.parametrize("with_rules", [False, True], ids=["plain", "rules"])
-def test_device_sampler_draws_what_the_host_draws(with_rules):
-    """TorchOps.sample (the device path; here on CPU tensors) against the host reference: the
-    same token for every row, greedy, temperature, top-k, top-p, min_p, seeded per row; and
-    with penalties, logit_bias, min_tokens and grammar masks."""
+def _torch_device(name: str):
     torch = pytest.importorskip("torch")
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    return torch, torch.device(name)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("with_rules", [False, True], ids=["plain", "rules"])
+def test_device_sampler_draws_what_the_host_draws(with_rules, device):
+    """TorchOps.sample (the device path; on CPU tensors, and on a GPU where there is one)
+    against the host reference: the same token for every row, greedy, temperature, top-k,
+    top-p, min_p, seeded per row; and with penalties, logit_bias, min_tokens and grammar masks."""
+    torch, dev = _torch_device(device)
     from glm_fused.engine.sampling import SamplingBatch
     from glm_fused.torch_backend import OPS
 
@@ -162,7 +170,7 @@ def test_device_sampler_draws_what_the_host_draws(with_rules):
     logits = (2.0 * rng.standard_normal((40, 300))).astype(np.float32)
     batch = SamplingBatch.build(_mixed_rows(300, with_rules=with_rules))
     host = batch.sample_on_host(logits)
-    device = OPS.sample(torch.from_numpy(logits), batch).numpy()
+    device = OPS.sample(torch.from_numpy(logits).to(dev), batch).cpu().numpy()
     assert (device == host).all(), np.flatnonzero(device != host)
     assert len(set(host[1::6].tolist())) > 3  # the sampled rows really vary
     # The batch crosses to the other ranks as one int64 array, unchanged.
@@ -200,9 +208,10 @@ def test_the_rules_do_what_they_say():
     assert seen == {0, 1}
 
 
-def test_logprobs_host_and_device_are_the_raw_log_softmax():
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_logprobs_host_and_device_are_the_raw_log_softmax(device):
     """Chosen-token and top-N logprobs, host and device, against torch.log_softmax."""
-    torch = pytest.importorskip("torch")
+    torch, dev = _torch_device(device)
     from glm_fused.engine.sampling import logprobs_on_host
     from glm_fused.torch_backend import OPS
 
@@ -210,7 +219,8 @@ def test_logprobs_host_and_device_are_the_raw_log_softmax():
     targets = np.array([0, 5, 199, 42, 7, 7])
     want = torch.log_softmax(torch.from_numpy(logits).double(), -1).numpy()
     host = logprobs_on_host(logits, targets, 4)
-    device = [t.numpy() for t in OPS.logprobs(torch.from_numpy(logits), torch.from_numpy(targets), 4)]
+    out = OPS.logprobs(torch.from_numpy(logits).to(dev), torch.from_numpy(targets).to(dev), 4)
+    device = [t.cpu().numpy() for t in out]
     for chosen, ids, values in (host, device):
         np.testing.assert_allclose(chosen, want[np.arange(6), targets], rtol=0, atol=1e-5)
         assert (ids == np.argsort(-want, -1)[:, :4]).all()

@@ -54,7 +54,8 @@ def test_page_parses_and_names_mirror_vllm():
         "glm_fused:request_time_per_output_token_seconds": "histogram",
         "glm_fused:e2e_request_latency_seconds": "histogram", "glm_fused:request_errors": "counter",
         "glm_fused:engine_steps": "counter", "glm_fused:engine_step_tokens": "counter",
-        "glm_fused:engine_forward_seconds": "counter", "glm_fused:fused_allreduce_calls": "counter",
+        "glm_fused:engine_forward_seconds": "counter", "glm_fused:engine_decode_steps": "counter",
+        "glm_fused:engine_decode_device_seconds": "counter", "glm_fused:fused_allreduce_calls": "counter",
         "glm_fused:plain_allreduce_calls": "counter", "glm_fused:fused_allreduce_fallbacks": "counter",
     }
     assert families == expected
