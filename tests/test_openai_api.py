@@ -15,7 +15,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from glm_fused.server.chat import parse_answer

@@ -98,7 +98,6 @@ def _json_format(schema: Any, **kwargs):
 def _value_format(schema: Any):
     from glm_fused.server.tool_parser import is_string_property
 
-    st = _st()
     if isinstance(schema, dict) and is_string_property(schema):
         return _string_format(schema)
     return _json_format(schema if isinstance(schema, dict) and schema else True, excludes=_VALUE_EXCLUDES)

@@ -35,9 +35,9 @@ from glm_fused.engine import InvalidParam, LLMEngine, RequestOutput, SamplingPar
 from glm_fused.engine.sampling import derive_seed
 from glm_fused.errors import UserError
 from glm_fused.server import protocol as P
+from glm_fused.server.access_log import ACCESS_NOTE, AccessLog
 from glm_fused.server.client_watch import ClientWatch, client_gone
 from glm_fused.server.errors import ApiError, install_error_handlers
-from glm_fused.server.access_log import ACCESS_NOTE, AccessLog
 from glm_fused.server.metrics import ServerMetrics
 from glm_fused.server.outputs import Choice, TokenTexts, chat_logprobs
 from glm_fused.server.preprocess_pool import PreprocessPool
@@ -270,7 +270,10 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
         if prep.grammar is not None:
             if grammars is None:
                 raise ApiError(400, "structured output is not available on this server", param="response_format")
-            so, compiled = await unless_gone(asyncio.to_thread(grammars.compile, prep.grammar), gone)
+            try:
+                so, compiled = await unless_gone(asyncio.to_thread(grammars.compile, prep.grammar), gone)
+            except (InvalidParam, UserError) as exc:  # the worker compiled it already: not expected
+                raise ApiError(400, str(exc), param=getattr(exc, "param", "response_format")) from None
             states = lambda: so.state(compiled)  # noqa: E731 - one matcher per choice
         engine_or_503()  # it may have stopped meanwhile
         rid = P.new_id("cmpl" if kind == "completion" else "chatcmpl")
