@@ -14,7 +14,8 @@ setup(
         "paddlepaddle>=3.1",
         "numpy>=1.24",
         "safetensors>=0.4",
-        "tokenizers>=0.19",
+        "tokenizers>=0.21",  # DecodeStream (incremental detokenization)
+        "huggingface_hub>=0.23",  # the local cache lookup (model_path.py), offline
         "jinja2>=3.1",
         "tqdm>=4.60",
         "fastapi>=0.110",
@@ -28,9 +29,14 @@ setup(
         # xgrammar: structured output (response_format json_*, forced tool_choice); it needs
         # torch, pinned here for the same reason.
         "structured": ["xgrammar>=0.2.9", "torch==2.13.0"],
+        # serve: the official openai client the README's examples (and users' scripts) use.
+        "serve": ["openai>=1.30"],
         # triton: its CPU interpreter runs the GPU kernels in the tests (tests/test_triton_kernels.py).
         "test": ["pytest>=8", "pytest-timeout>=2.3", "torch==2.13.0", "transformers>=5.0", "triton==3.6.0",
-                 "openai>=1.30", "httpx>=0.27", "xgrammar>=0.2.9", "jsonschema>=4.0"],
+                 "openai>=1.30", "httpx>=0.27", "xgrammar>=0.2.9", "jsonschema>=4.0",
+                 # lm-evaluation-harness against the tiny server (tests/test_lm_eval.py); pinned:
+                 # its OpenAI-API client and result layout change between releases.
+                 "lm_eval[api]==0.4.13"],
         "gpu": ["flashinfer-python>=0.7", "triton>=3.4"],
     },
     data_files=[("share/glm_fused/configs", [str(p) for p in sorted(Path("configs").glob("*.json"))])],

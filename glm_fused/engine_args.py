@@ -21,6 +21,8 @@ from glm_fused.fused_op import FUSION_IMPLS, KERNEL_TP_SIZES
 DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 LOAD_FORMATS = ("safetensors", "dummy")
 BACKENDS = ("paddle", "torch")
+BACKEND_CHOICES = ("auto", *BACKENDS)
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's default
 DEFAULT_MAX_NUM_SEQS = 32
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_BLOCK_SIZE = 16
@@ -32,12 +34,13 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 class EngineArgs:
     # the model
     model: str = "glm-4.5-air-tiny"
+    revision: str | None = None        # a snapshot of a Hugging Face cache entry (branch, tag, commit)
     tp: int = 1
-    backend: str = "paddle"
-    device: str | None = None          # cpu | gpu; None: gpu when one is visible and the backend can use it
+    backend: str = "auto"              # auto: Paddle where it can use the device, else torch
+    device: str | None = None          # cpu | gpu; None: gpu when one is visible
     dtype: str = "auto"                # auto: bfloat16 on GPU, float32 on CPU
     load_format: str = "safetensors"
-    seed: int = 0                      # dummy weights
+    seed: int = 0                      # the global seed: dummy weights, and unseeded requests' sampling
     # the engine
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int | None = None   # None: the model's limit where the KV cache holds it (settled by
@@ -49,6 +52,7 @@ class EngineArgs:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # most top logprobs a request may ask for
     # the fused all-reduce + residual + RMSNorm
     fused: bool = True                 # False: the classic all-reduce layout (--unfused)
     fusion_impl: str = "auto"          # auto | flashinfer | reference (glm_fused.fused_op)
@@ -56,6 +60,7 @@ class EngineArgs:
     model_dir: str | None = None       # checkpoint directory; None for dummy weights from a bare config
     config_path: str | None = None
     model_name: str | None = None      # what to call the model in output
+    backend_reason: str = ""           # why --backend auto chose what it did ("" when named)
     resolved: bool = False
     # filled by the ModelRunner: blocks in every rank's KV cache (then max_model_len is set too)
     num_kv_blocks: int | None = None
@@ -68,15 +73,23 @@ class EngineArgs:
         g.add_argument("--model", default=d.model,
                        help="checkpoint directory, Hugging Face name found in the local cache "
                             "(zai-org/GLM-4.5-Air), or glm-4.5-air-tiny (default: made on first use)")
-        g.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (default 1)")
-        g.add_argument("--backend", choices=BACKENDS, default=d.backend, help=f"tensor framework (default {d.backend})")
+        g.add_argument("--revision", default=None,
+                       help="which snapshot of a Hugging Face cache entry: a branch, tag or commit (default main)")
+        g.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int, default=d.tp,
+                       help="tensor-parallel ranks (default 1)")
+        g.add_argument("--backend", choices=BACKEND_CHOICES, default=d.backend,
+                       help="tensor framework (default auto: Paddle wherever it can use the device, the CPU "
+                            "always; torch where only torch can use the GPU)")
         g.add_argument("--device", choices=["cpu", "gpu"], default=None,
-                       help="default: gpu when one is visible and the backend can use it, else cpu")
+                       help="default: gpu when one is visible (refused if no installed framework can use it), "
+                            "else cpu")
         g.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPE_NAMES),
                        help="compute dtype (default auto: bfloat16 on GPU, float32 on CPU)")
         g.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format,
                        help="dummy: random weights at the model's real config, no checkpoint needed")
-        g.add_argument("--seed", type=int, default=d.seed, help="seed of dummy weights (default 0)")
+        g.add_argument("--seed", type=int, default=d.seed,
+                       help="global seed: dummy weights, and the sampling of requests that bring no seed "
+                            "(derived from it and the request's arrival number) (default 0)")
 
         g = parser.add_argument_group("engine")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
@@ -91,6 +104,9 @@ class EngineArgs:
         g.add_argument("--enforce-eager", action="store_true",
                        help="no CUDA graphs: run decode steps op by op (torch backend on GPU; "
                             "elsewhere there are none anyway)")
+        g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                       help=f"most top logprobs a request may ask for (logprobs, top_logprobs) "
+                            f"(default {d.max_logprobs})")
 
         g = parser.add_argument_group("KV cache")
         g.add_argument("--block-size", type=int, default=d.block_size,
@@ -140,15 +156,19 @@ class EngineArgs:
 
         if self.resolved:
             return self
-        if self.backend not in BACKENDS:
-            raise UserError(f"--backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if self.backend not in BACKEND_CHOICES:
+            raise UserError(f"--backend {self.backend!r}: choose one of {', '.join(BACKEND_CHOICES)}")
+        if not 0 <= self.seed < 2**63:
+            raise UserError(f"--seed {self.seed}: must be in [0, 2**63)")
+        if self.max_logprobs < 0:
+            raise UserError(f"--max-logprobs {self.max_logprobs}: must be 0 or more")
         if self.tp < 1:
             raise UserError(f"--tp {self.tp}: must be at least 1")
         if self.load_format not in LOAD_FORMATS:
             raise UserError(f"--load-format {self.load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
         if self.fusion_impl not in FUSION_IMPLS:  # only a caller of the API can get here
             raise UserError(f"fusion_impl {self.fusion_impl!r}: choose one of {', '.join(FUSION_IMPLS)}")
-        found = resolve_model(self.model, load_format=self.load_format)
+        found = resolve_model(self.model, load_format=self.load_format, revision=self.revision)
         config = Glm4MoeConfig.from_json_file(found.config_path)
         config.check_tp(self.tp)
         if self.load_format == "safetensors" and found.path is None:
@@ -162,7 +182,7 @@ class EngineArgs:
 
             validate(Checkpoint(found.path), config, TPShard(config, 0, self.tp))
 
-        self.device = self._resolve_device()
+        self.backend, self.device, self.backend_reason = self._resolve_backend_and_device()
         if self.dtype not in DTYPE_NAMES:
             raise UserError(f"--dtype {self.dtype!r}: choose one of {', '.join(sorted(DTYPE_NAMES))}")
         dtype = DTYPE_NAMES[self.dtype]
@@ -203,17 +223,31 @@ class EngineArgs:
         self.resolved = True
         return self
 
-    def _resolve_device(self) -> str:
-        if self.device is not None:
-            if self.device not in ("cpu", "gpu"):
-                raise UserError(f"--device {self.device!r}: choose cpu or gpu")
-            if self.device == "gpu" and not gpu_visible():
-                raise UserError("--device gpu: no GPU is visible on this machine")
-            if self.device == "gpu" and not backend_has_cuda(self.backend):
-                raise UserError(f"--device gpu: this {self.backend} build has no CUDA support "
-                                f"(install a GPU build, or pass --device cpu)")
-            return self.device
-        return "gpu" if gpu_visible() and backend_has_cuda(self.backend) else "cpu"
+    def _resolve_backend_and_device(self) -> tuple[str, str, str]:
+        """``(backend, device, why)``. A visible GPU is used unless ``--device cpu`` says
+        otherwise: never a silent fall back to the CPU."""
+        if self.device is not None and self.device not in ("cpu", "gpu"):
+            raise UserError(f"--device {self.device!r}: choose cpu or gpu")
+        if self.device == "gpu" and not gpu_visible():
+            raise UserError("--device gpu: no GPU is visible on this machine")
+        want_gpu = self.device == "gpu" or (self.device is None and gpu_visible())
+        if not want_gpu:
+            return ("paddle", "cpu", "auto: Paddle runs on the CPU") if self.backend == "auto" else \
+                (self.backend, "cpu", "")
+        how = "--device gpu" if self.device == "gpu" else "a GPU is visible"
+        if self.backend == "auto":
+            if backend_has_cuda("paddle"):
+                return "paddle", "gpu", "auto: Paddle can use the GPU"
+            if backend_has_cuda("torch"):
+                return "torch", "gpu", "auto: only torch can use the GPU (this Paddle build has no CUDA)"
+            raise UserError(f"{how}, but neither Paddle nor torch as installed can use it (install a CUDA "
+                            f"build of torch: pip install -e '.[torch]'), or pass --device cpu to run on the CPU")
+        if not backend_has_cuda(self.backend):
+            other = "torch" if self.backend == "paddle" else "paddle"
+            raise UserError(f"--backend {self.backend}: {how}, but this {self.backend} build cannot use it "
+                            f"(no CUDA support); use --backend {other} or auto, or pass --device cpu to run on "
+                            f"the CPU")
+        return self.backend, "gpu", ""
 
     def slot_blocks(self, num_slots: int | None = None) -> int:
         """Blocks for ``num_slots`` (default ``max_num_seqs``) sequences of ``max_model_len``: what a

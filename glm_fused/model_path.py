@@ -1,7 +1,7 @@
 """What ``--model`` names: a checkpoint directory, the tiny default, or a local HF cache entry.
 
 Resolution never touches the network: real checkpoints come from the user's disk or an
-already-populated Hugging Face cache.
+already-populated Hugging Face cache (looked up with ``huggingface_hub``, ``local_files_only``).
 """
 
 from __future__ import annotations
@@ -55,21 +55,33 @@ def _repo_id(spec: str) -> tuple[str, str] | None:
     return org, name
 
 
-def _cached_snapshot(hub: Path, org: str, name: str) -> Path | None:
-    """snapshots/<rev> of models--org--name in the cache: the rev in refs/main, else the newest."""
+def _cached_snapshot(hub: Path, org: str, name: str, revision: str | None = None) -> Path | None:
+    """The snapshot folder of ``org/name`` at ``revision`` (a branch, tag or commit; default
+    main) in the cache, found by ``huggingface_hub`` without touching the network; None if absent."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
     folder = hub / f"models--{org}--{name}"
-    if not folder.is_dir() and hub.is_dir():
+    if not folder.is_dir() and hub.is_dir():  # the hub is case-sensitive; users' spelling is not
         wanted = folder.name.lower()
         folder = next((p for p in hub.iterdir() if p.name.lower() == wanted and p.is_dir()), folder)
-    snapshots = folder / "snapshots"
-    if not snapshots.is_dir():
+    if not folder.is_dir():
         return None
-    ref = folder / "refs" / "main"
-    if ref.is_file():
-        rev = ref.read_text().strip()
-        if (snapshots / rev / "config.json").is_file():
-            return snapshots / rev
-    candidates = [p for p in snapshots.iterdir() if (p / "config.json").is_file()]
+    repo_id = "/".join(folder.name.split("--", 2)[1:])
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=hub, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    # A cache copied or edited by hand, which the hub library does not read (a ref with a
+    # trailing newline, no refs/main): the ref as written, else (no revision asked) the newest
+    # snapshot with a config.
+    snapshots = folder / "snapshots"
+    ref = folder / "refs" / (revision or "main")
+    if ref.is_file() and (snapshots / ref.read_text().strip() / "config.json").is_file():
+        return snapshots / ref.read_text().strip()
+    if revision is not None:
+        return None
+    candidates = [p for p in snapshots.iterdir() if (p / "config.json").is_file()] if snapshots.is_dir() else []
     return max(candidates, key=lambda p: p.stat().st_mtime, default=None)
 
 
@@ -77,12 +89,16 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or (os.sep != "/" and os.sep in spec)
 
 
-def resolve_model(spec: str, *, load_format: str = "safetensors") -> ResolvedModel:
-    """Find the checkpoint (or, for load_format "dummy", just the config) that spec names."""
+def resolve_model(spec: str, *, load_format: str = "safetensors", revision: str | None = None) -> ResolvedModel:
+    """Find the checkpoint (or, for load_format "dummy", just the config) that spec names;
+    ``revision``: which snapshot of a Hugging Face cache entry (branch, tag or commit)."""
     spec = spec.strip()
     if not spec:
         raise UserError("--model is empty")
     where = Path(spec).expanduser()
+    if revision is not None and (where.is_dir() or spec.lower() == TINY_NAME or _looks_like_path(spec)):
+        raise UserError(f"--revision {revision}: it picks a snapshot of a Hugging Face cache entry; "
+                        f"--model '{spec}' is not one")
     if where.is_dir():
         if not (where / "config.json").is_file():
             raise UserError(f"--model '{spec}': directory {where} has no config.json")
@@ -101,9 +117,14 @@ def resolve_model(spec: str, *, load_format: str = "safetensors") -> ResolvedMod
         )
     org, name = repo
     hub = hf_hub_cache()
-    snapshot = _cached_snapshot(hub, org, name)
+    snapshot = _cached_snapshot(hub, org, name, revision)
     if snapshot is not None:
+        if not (snapshot / "config.json").is_file():
+            raise UserError(f"--model '{spec}': snapshot {snapshot} in the Hugging Face cache has no config.json")
         return ResolvedModel(snapshot, snapshot / "config.json", f"{org}/{name}")
+    if revision is not None:
+        raise UserError(f"--model '{spec}' --revision {revision}: no such snapshot of 'models--{org}--{name}' "
+                        f"in the Hugging Face cache at {hub}")
 
     known = KNOWN_MODELS.get(name.lower()) if org.lower() == DEFAULT_ORG else None
     if known is not None and load_format == "dummy":

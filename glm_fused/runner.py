@@ -10,7 +10,9 @@ Written once for both frameworks: ``args.backend`` names the framework, whose la
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,6 +21,7 @@ from glm_fused.backends import get_backend
 from glm_fused.batch import ForwardBatch, slot_block_tables
 from glm_fused.comm import device_index, shares_gpu
 from glm_fused.config import Glm4MoeConfig
+from glm_fused.engine.sampling import SamplingBatch, logprobs_on_host
 from glm_fused.engine_args import EngineArgs
 from glm_fused.fused_op import setup_fusion
 from glm_fused.model.loader import dummy_weights, load_weights
@@ -26,20 +29,42 @@ from glm_fused.model.loader import dummy_weights, load_weights
 log = logging.getLogger("glm_fused.runner")
 
 
+@dataclass
+class StepOutput:
+    """One step's results on rank 0, as numpy: the sampled tokens ``[S]`` (None when the step
+    sampled nothing), and when asked for, ``logprobs`` of the sampled rows and
+    ``prompt_logprobs`` of the step's prompt rows (``SamplingBatch.prompt_rows``), each
+    ``(logprob of the token [R], top-N ids [R, N], top-N logprobs [R, N])``."""
+
+    tokens: np.ndarray | None
+    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
 class StepResult:
-    """What ``execute`` hands back at once: call it for the sampled tokens (numpy, rank 0; None
-    elsewhere), which waits for them; then ``device_seconds`` is the step's forward and LM head
-    as the device ran them (events around them: the bound the engine's step time is held to)."""
+    """What ``execute`` hands back at once: call it for the step's ``StepOutput`` (rank 0; None
+    elsewhere), which waits for the results only; then ``device_seconds`` is the step's
+    forward and LM head as the device ran them (events around them: the bound the engine's
+    step time is held to)."""
 
     def __init__(self, fetch, marks=None, F=None):
         self._fetch, self._marks, self._F = fetch, marks, F
 
-    def __call__(self):
+    def __call__(self) -> StepOutput | None:
         return self._fetch()
 
     @property
     def device_seconds(self) -> float | None:
         return None if self._marks is None else self._F.elapsed(*self._marks)
+
+
+def _fetch_all(tokens, logprobs, prompt_logprobs):
+    """One callable that waits for every host copy and gives the ``StepOutput``."""
+    def fetch() -> StepOutput:
+        return StepOutput(None if tokens is None else tokens(),
+                          None if logprobs is None else tuple(f() for f in logprobs),
+                          None if prompt_logprobs is None else tuple(f() for f in prompt_logprobs))
+    return fetch
 
 
 class ModelRunner:
@@ -150,39 +175,61 @@ class ModelRunner:
         return graphs
 
     # ---- one step ------------------------------------------------------------------------
-    def execute(self, batch: ForwardBatch, sampling=None, *, sample: bool = True):
-        """The engine's step: the forward, then (``sample``) one token per logits row.
+    def execute(self, batch: ForwardBatch, sampling: SamplingBatch | None = None, *, sample: bool = True):
+        """The engine's step: the forward, then (``sample``) one token per logits row, and the
+        logprobs ``sampling`` asks for.
 
         The logits reach rank 0 only; rank 0 draws the tokens on its device (``sampling``: the
-        rows' ``SamplingBatch``, given on rank 0) and sends them to the other ranks, and every
-        rank keeps them in ``next_tokens`` by the sequence's row, where a later step's placeholder ids
-        (-1) read them. Nothing waits for the device: the returned callable gives rank 0 the
-        tokens as numpy once they are on the host (None on the other ranks, or without ``sample``).
+        rows' ``SamplingBatch``; its prompt rows are given on every rank, which all compute
+        their logits) and sends them to the other ranks, and every rank keeps them in
+        ``next_tokens`` by the sequence's row, where a later step's placeholder ids (-1) read them.
+        Nothing waits for the device: the returned callable gives rank 0 the ``StepOutput``
+        once it is on the host (None on the other ranks, or when nothing was asked).
         """
         self._check(batch)
         F = self.F
+        sampling = sampling if sampling is not None else SamplingBatch()
+        prompt_rows = sampling.prompt_rows
+        P = len(prompt_rows)
         self.comm.stats.reset()
         with F.no_grad():
             like = self.model.embed_tokens.weight
             # Uploaded before the forward is queued: nothing after it may wait for the device.
             sampled_rows = F.upload(batch.rows[batch.logits_seq], like) if sample else None
+            targets = F.upload(sampling.prompt_targets, like) if P else None
             start = F.mark(self.device)
-            hidden = self._hidden(batch)
-            if not sample:
+            forward = batch
+            if P:  # the prompt rows first, then the sampled rows
+                rows = np.concatenate([prompt_rows, batch.logits_indices if sample else prompt_rows[:0]])
+                forward = dataclasses.replace(batch, logits_indices=rows)
+            hidden = self._hidden(forward)
+            if not sample and not P:
                 return StepResult(lambda: None)
             logits = self.model.compute_logits(hidden, dst=0)
             marks = (start, F.mark(self.device))
-            if self.comm.rank == 0:
-                tokens = F.sample(logits, sampling)
-            else:
-                tokens = F.zeros([len(batch.logits_indices)], "int64", like=hidden)
-            if self.comm.size > 1:
-                tokens = self.comm.broadcast(tokens, src=0)
-            self.next_tokens[sampled_rows] = tokens
-            if self.comm.rank != 0:
+            rank0 = self.comm.rank == 0
+            tokens = None
+            if sample:
+                if rank0:
+                    tokens = F.sample(logits[P:] if P else logits, sampling)
+                else:
+                    tokens = F.zeros([len(batch.logits_indices)], "int64", like=hidden)
+                if self.comm.size > 1:
+                    tokens = self.comm.broadcast(tokens, src=0)
+                self.next_tokens[sampled_rows] = tokens
+            if not rank0:
                 return StepResult(lambda: None)
             self._step += 1
-            return StepResult(F.to_host_async(tokens, self._staging[self._step % len(self._staging)]), marks, F)
+            fetch_tokens = logprobs = prompt_logprobs = None
+            if sample:
+                fetch_tokens = F.to_host_async(tokens, self._staging[self._step % len(self._staging)])
+                if sampling.logprobs >= 0:
+                    logprobs = [F.to_host_async(t) for t in
+                                F.logprobs(logits[P:] if P else logits, tokens, sampling.logprobs)]
+            if P:
+                prompt_logprobs = [F.to_host_async(t) for t in
+                                   F.logprobs(logits[:P], targets, max(sampling.prompt_logprobs, 0))]
+            return StepResult(_fetch_all(fetch_tokens, logprobs, prompt_logprobs), marks, F)
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Logits ``[len(batch.logits_indices), vocab]`` float32 for this batch, on every rank
@@ -249,16 +296,25 @@ class LogitsRunner:
     placeholders resolved from its own record of what it sampled, and the host sampler. For
     stand-ins of the model (tests, tools) that speak the engine's protocol."""
 
-    def execute(self, batch: ForwardBatch, sampling=None, *, sample: bool = True):
+    def execute(self, batch: ForwardBatch, sampling: SamplingBatch | None = None, *, sample: bool = True):
+        sampling = sampling if sampling is not None else SamplingBatch()
         last = self.__dict__.setdefault("_last_sampled", {})
         if (batch.input_ids < 0).any():
             rows = np.repeat(batch.rows, batch.query_lens)
             ids = np.array([last[int(r)] if t < 0 else t for t, r in zip(batch.input_ids, rows)])
-            batch = ForwardBatch(ids, batch.positions, batch.query_lens, batch.context_lens,
-                                 batch.logits_indices, batch.block_tables, batch.rows)
-        logits = self.forward(batch)
-        if not sample:
+            batch = dataclasses.replace(batch, input_ids=ids)
+        P = len(sampling.prompt_rows)
+        if not sample and not P:
+            self.forward(batch)
             return StepResult(lambda: None)
-        tokens = sampling.sample_on_host(logits)
-        last.update(zip(batch.rows[batch.logits_seq].tolist(), tokens.tolist()))
-        return StepResult(lambda: tokens)
+        rows = np.concatenate([sampling.prompt_rows, batch.logits_indices if sample else sampling.prompt_rows[:0]])
+        logits = self.forward(dataclasses.replace(batch, logits_indices=rows))
+        out = StepOutput(None)
+        if sample:
+            out.tokens = sampling.sample_on_host(logits[P:])
+            last.update(zip(batch.rows[batch.logits_seq].tolist(), out.tokens.tolist()))
+            if sampling.logprobs >= 0:
+                out.logprobs = logprobs_on_host(logits[P:], out.tokens, sampling.logprobs)
+        if P:
+            out.prompt_logprobs = logprobs_on_host(logits[:P], sampling.prompt_targets, sampling.prompt_logprobs)
+        return StepResult(lambda: out)

@@ -14,9 +14,6 @@ from typing import Any, Iterable
 
 from glm_fused.errors import UserError
 
-_REPLACEMENT = "\ufffd"
-
-
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -85,7 +82,8 @@ def _make_environment():
 class Tokenizer:
     """Encode, decode and chat-format for the checkpoint in ``model_dir``."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, chat_template: str | Path | None = None):
+        """``chat_template``: a Jinja file that replaces the checkpoint's template (``--chat-template``)."""
         from tokenizers import Tokenizer as _Backend
 
         self.model_dir = Path(model_dir)
@@ -99,7 +97,14 @@ class Tokenizer:
 
         config_file = self.model_dir / "tokenizer_config.json"
         self._config = _read_json(config_file) if config_file.is_file() else {}
-        self._template_source, self._template_file = self._find_template(config_file)
+        if chat_template is not None:
+            path = Path(chat_template).expanduser()
+            try:
+                self._template_source, self._template_file = path.read_text(encoding="utf-8"), path
+            except (OSError, UnicodeDecodeError) as exc:
+                raise UserError(f"--chat-template {chat_template}: cannot read it ({exc})") from None
+        else:
+            self._template_source, self._template_file = self._find_template(config_file)
         self._template = None  # compiled on first use
 
         self.special_ids: set[int] = {
@@ -172,7 +177,20 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def text_stream(self, skip_special_tokens: bool = True) -> "TextStream":
+        """An incremental decoder for one generated sequence."""
+        return TextStream(self, skip_special_tokens)
+
     # ------------------------------------------------------------------ chat
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja source of the chat template in use."""
+        return self._template_source
+
+    def special_token(self, name: str) -> str | None:
+        """A special token of ``tokenizer_config.json`` (``eos_token``, ``bos_token``...), as text."""
+        return _token_text(self._config.get(name))
 
     @property
     def has_chat_template(self) -> bool:
@@ -232,42 +250,36 @@ class Tokenizer:
             ) from None
 
 
-class IncrementalDecoder:
+class TextStream:
     """Text of a growing token sequence, emitted piece by piece for streaming.
 
-    Decoding tokens one at a time is wrong for byte-level BPE (a character can span
-    tokens) and for tokenizers whose spacing depends on the previous token. So each step
-    decodes a short window that starts a few tokens back, and emits only the part beyond
-    what the window had already produced; text that ends in an incomplete UTF-8 sequence
-    (decoded as U+FFFD) is held back until the next token completes it.
+    ``tokenizers``' own ``DecodeStream`` does the work: decoding tokens one at a time is wrong
+    for byte-level BPE (a character can span tokens) and for tokenizers whose spacing depends
+    on the previous token, and it handles both, holding back text that ends in an
+    incomplete UTF-8 sequence until the next token completes it (it gives the same pieces as
+    decoding a window of recent tokens did here before; tests/test_tiny_tokenizer_model_path.py
+    checks every prefix against a full decode). What it cannot do is end: ``flush`` shows the
+    ids still held back as ``decode`` shows them (U+FFFD for an unfinished character).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
-        # Any object with decode(ids, skip_special_tokens=...) -> str will do.
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # window start: tokens before it are settled
-        self._read = 0  # tokens before this have been emitted
+        from tokenizers.decoders import DecodeStream
 
-    def _window(self) -> tuple[str, str]:
-        """Text of the window up to the emitted point, and of the whole window."""
-        decode = self._tokenizer.decode
-        done = decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
-        full = decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
-        return done, full
+        self._backend = tokenizer.backend
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []  # ids whose text is not out yet
 
     def step(self, token_id: int) -> str:
         """Add one generated id; return the new text to show (often '', never partial)."""
-        self._ids.append(int(token_id))
-        done, full = self._window()
-        if len(full) > len(done) and not full.endswith(_REPLACEMENT):
-            self._prefix, self._read = self._read, len(self._ids)
-            return full[len(done) :]
-        return ""
+        text = self._stream.step(self._backend, int(token_id))
+        if text is None:
+            self._held.append(int(token_id))
+            return ""
+        self._held.clear()
+        return text
 
     def flush(self) -> str:
         """Whatever is still held back (an unfinished character decodes as U+FFFD)."""
-        done, full = self._window()
-        self._prefix = self._read = len(self._ids)
-        return full[len(done) :]
+        held, self._held = self._held, []
+        return self._backend.decode(held, skip_special_tokens=self._skip) if held else ""

@@ -20,10 +20,9 @@ import pytest
 from glm_fused.batch import ForwardBatch
 from glm_fused.engine import InvalidParam, LLMEngine, SamplingParams, Scheduler, Sequence, run_worker, sample
 from glm_fused.engine.llm_engine import CMD_NOOP, CMD_PING
-from glm_fused.engine.sampling import row_key
+from glm_fused.engine.sampling import SampleRow, SamplingBatch, row_key
 from glm_fused.engine_args import EngineArgs
 from glm_fused.runner import LogitsRunner
-from glm_fused.tokenizer import IncrementalDecoder
 
 VOCAB = 64
 BLOCK = 4  # small blocks: short test prompts still span several
@@ -132,25 +131,114 @@ def test_top_k_and_top_p_restrict_the_support():
     assert abs(draws.count(0) / 2000 - 0.66524 / (0.66524 + 0.24473)) < 0.05
 
 
-def test_device_sampler_draws_what_the_host_draws():
-    """TorchOps.sample (the device path; here on CPU tensors) against the host reference: the
-    same token for every row, greedy, temperature, top-k and top-p, seeded per row."""
+def _mixed_rows(vocab: int, n: int = 40, with_rules: bool = True):
+    """Rows of every kind: greedy, temperature, top-k, top-p, min_p; with ``with_rules`` also
+    penalties over a history, logit_bias, min_tokens, and grammar bitmasks."""
+    rng = np.random.default_rng(11)
+    rows = []
+    kinds = [greedy(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+             SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.8, top_k=50, top_p=0.7),
+             SamplingParams(temperature=1.1, min_p=0.05)]
+    for i in range(n):
+        params = kinds[i % len(kinds)]
+        row = SampleRow(params, row_key(1000 + i, i))
+        if with_rules and i % 4:
+            history = rng.integers(0, vocab, size=12).tolist()
+            bias = {int(t): float(b) for t, b in zip(rng.integers(0, vocab, 3), rng.uniform(-5, 5, 3))}
+            params = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                    min_p=params.min_p, repetition_penalty=[1.0, 1.3, 0.8][i % 3],
+                                    presence_penalty=[0.0, 0.5, -0.7][(i // 3) % 3],
+                                    frequency_penalty=[0.4, 0.0, 1.5][(i // 2) % 3], logit_bias=bias,
+                                    min_tokens=3 * (i % 2), max_tokens=20)
+            mask = None
+            if i % 5 == 0:  # a grammar allowing a random third of the vocabulary
+                allowed = rng.random(vocab) < 0.33
+                allowed[int(rng.integers(vocab))] = True
+                mask = np.packbits(np.concatenate([allowed, np.zeros(-vocab % 32, bool)]),
+                                   bitorder="little").view("<i4").astype(np.int32)
+            row = SampleRow(params, row_key(1000 + i, i), num_output=i % 4, stop_ids=(1, 2, 3),
+                            prompt_ids=history[:6], output_ids=history[6:], bitmask=mask)
+        rows.append(row)
+    return rows
+
+
+def _torch_device(name: str):
     torch = pytest.importorskip("torch")
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    return torch, torch.device(name)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("with_rules", [False, True], ids=["plain", "rules"])
+def test_device_sampler_draws_what_the_host_draws(with_rules, device):
+    """TorchOps.sample (the device path; on CPU tensors, and on a GPU where there is one)
+    against the host reference: the same token for every row, greedy, temperature, top-k,
+    top-p, min_p, seeded per row; and with penalties, logit_bias, min_tokens and grammar masks."""
+    torch, dev = _torch_device(device)
     from glm_fused.engine.sampling import SamplingBatch
     from glm_fused.torch_backend import OPS
 
     rng = np.random.default_rng(3)
     logits = (2.0 * rng.standard_normal((40, 300))).astype(np.float32)
-    rows = []
-    for i in range(40):
-        params = [greedy(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
-                  SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.8, top_k=50, top_p=0.7)][i % 5]
-        rows.append((params, row_key(1000 + i, i)))
-    batch = SamplingBatch.build(rows)
+    batch = SamplingBatch.build(_mixed_rows(300, with_rules=with_rules))
     host = batch.sample_on_host(logits)
-    device = OPS.sample(torch.from_numpy(logits), batch).numpy()
+    device = OPS.sample(torch.from_numpy(logits).to(dev), batch).cpu().numpy()
     assert (device == host).all(), np.flatnonzero(device != host)
-    assert len(set(host[1::5].tolist())) > 3  # the sampled rows really vary
+    assert len(set(host[1::6].tolist())) > 3  # the sampled rows really vary
+    # The batch crosses to the other ranks as one int64 array, unchanged.
+    back, used = SamplingBatch.from_array(np.concatenate([batch.to_array(), [7, 7]]))
+    assert used == len(batch.to_array())
+    for name in batch.__dataclass_fields__:
+        a, b = getattr(batch, name), getattr(back, name)
+        assert np.array_equal(a, b) and np.asarray(a).dtype == np.asarray(b).dtype, name
+
+
+def test_the_rules_do_what_they_say():
+    """Each rule on hand-made logits (host reference; the device matches it, above)."""
+    logits = np.array([[3.0, 2.0, 1.0, -1.0, -2.0]], np.float32)
+
+    def pick(params, **row):
+        return int(SamplingBatch.build([SampleRow(params, row_key(0, 0), **row)]).sample_on_host(logits)[0])
+
+    assert pick(greedy()) == 0
+    assert pick(SamplingParams(temperature=0, logit_bias={4: 10.0})) == 4
+    assert pick(greedy(), stop_ids=(0,), num_output=0) == 0           # min_tokens 0: nothing held back
+    assert pick(SamplingParams(temperature=0, min_tokens=2), stop_ids=(0,), num_output=1) == 1
+    assert pick(SamplingParams(temperature=0, min_tokens=2), stop_ids=(0,), num_output=2) == 0
+    # repetition: 3 / 2 = 1.5 < 2 -> token 1; a negative logit is multiplied (-1 * 2 = -2).
+    assert pick(SamplingParams(temperature=0, repetition_penalty=2.0), prompt_ids=[0]) == 1
+    x = SamplingBatch.build([SampleRow(SamplingParams(repetition_penalty=2.0), 0, prompt_ids=[3],
+                                       output_ids=[0])]).processed_logits(logits)
+    assert x[0].tolist() == [1.5, 2.0, 1.0, -2.0, -2.0]
+    # frequency counts occurrences in the output (not the prompt); presence counts once.
+    x = SamplingBatch.build([SampleRow(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), 0,
+                                       prompt_ids=[2], output_ids=[0, 0, 1])]).processed_logits(logits)
+    assert x[0].tolist() == [3.0 - 1.0 - 0.25, 2.0 - 0.5 - 0.25, 1.0, -1.0, -2.0]
+    # min_p 0.3: p(v) / p(max) = exp(x_v - 3) >= 0.3 keeps tokens 0 and 1 only.
+    seen = {int(SamplingBatch.build([SampleRow(SamplingParams(min_p=0.3), k)]).sample_on_host(logits)[0])
+            for k in keys(9, 300)}
+    assert seen == {0, 1}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_logprobs_host_and_device_are_the_raw_log_softmax(device):
+    """Chosen-token and top-N logprobs, host and device, against torch.log_softmax."""
+    torch, dev = _torch_device(device)
+    from glm_fused.engine.sampling import logprobs_on_host
+    from glm_fused.torch_backend import OPS
+
+    logits = (3.0 * np.random.default_rng(5).standard_normal((6, 200))).astype(np.float32)
+    targets = np.array([0, 5, 199, 42, 7, 7])
+    want = torch.log_softmax(torch.from_numpy(logits).double(), -1).numpy()
+    host = logprobs_on_host(logits, targets, 4)
+    out = OPS.logprobs(torch.from_numpy(logits).to(dev), torch.from_numpy(targets).to(dev), 4)
+    device = [t.cpu().numpy() for t in out]
+    for chosen, ids, values in (host, device):
+        np.testing.assert_allclose(chosen, want[np.arange(6), targets], rtol=0, atol=1e-5)
+        assert (ids == np.argsort(-want, -1)[:, :4]).all()
+        np.testing.assert_allclose(values, np.take_along_axis(want, ids, -1), rtol=0, atol=1e-5)
+    assert logprobs_on_host(logits, targets, 0)[1].shape == (6, 0)
 
 
 def _chi2_sf_even_df(x: float, df: int) -> float:
@@ -219,33 +307,44 @@ def test_invalid_params_name_the_field(kwargs, param):
 
 
 # ---- text ----------------------------------------------------------------------------------
-BYTES = "héllo wörld ✓ end".encode()
+TEXT = "héllo wörld ✓ end"
 
 
-class ByteTokenizer:  # token i = byte i: multi-byte characters arrive in pieces
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(ids).decode("utf-8", errors="replace")
+@pytest.fixture(scope="module")
+def tok():
+    from glm_fused.tiny import ensure_tiny_checkpoint
+    from glm_fused.tokenizer import Tokenizer
+
+    return Tokenizer(ensure_tiny_checkpoint())
 
 
-class LetterTokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(0x41 + (t % 26)) for t in ids)
+def test_stop_string_across_tokens_cuts_text_and_holds_back(tok):
+    # The tiny tokenizer is byte-level BPE: multi-byte characters arrive in pieces.
+    for include, expected in ((False, "héllo "), (True, "héllo wör")):
+        params = SamplingParams(max_tokens=100, stop=["wör", "zzz"], include_stop_str_in_output=include)
+        seq = Sequence("r", [1], params, detokenizer=tok.text_stream())
+        streamed = []
+        for t in tok.encode(TEXT):
+            seq.append_token(t, frozenset(), 1000)
+            if seq.finish_reason:
+                seq.finish(seq.finish_reason)
+            streamed.append(seq.take_text_delta())
+            assert "w" not in "".join(streamed) or seq.finished  # "w" may start "wör": held back
+            if seq.finished:
+                break
+        assert seq.finish_reason == "stop"
+        assert seq.text == expected == "".join(streamed)
 
 
-def test_stop_string_across_tokens_cuts_text_and_holds_back():
-    params = SamplingParams(max_tokens=100, stop=["wör", "zzz"])
-    seq = Sequence("r", [1], params, detokenizer=IncrementalDecoder(ByteTokenizer()))
-    streamed = []
-    for b in BYTES:
-        seq.append_token(b, frozenset(), 1000)
+def test_stop_strings_wait_for_min_tokens(tok):
+    ids = tok.encode(TEXT)
+    params = SamplingParams(max_tokens=100, stop=["é"], min_tokens=len(tok.encode("hél")))
+    seq = Sequence("r", [1], params, detokenizer=tok.text_stream())
+    for t in ids:
+        seq.append_token(t, frozenset(), 1000)
         if seq.finish_reason:
-            seq.finish(seq.finish_reason)
-        streamed.append(seq.take_text_delta())
-        assert "w" not in "".join(streamed) or seq.finished  # "w" may start "wör": held back
-        if seq.finished:
             break
-    assert seq.finish_reason == "stop"
-    assert seq.text == "héllo " == "".join(streamed)
+    assert seq.finish_reason is None and seq.text == TEXT  # its only "é" came before min_tokens
 
 
 def test_eos_and_stop_token_ids_finish_with_stop_unless_ignored():
@@ -439,13 +538,13 @@ def test_worker_rejects_unknown_command():
         run_worker(FakeRunner(1, 8), lambda _a, src=0: next(msgs))
 
 
-def test_text_output_matches_full_decode_when_streamed():
-    engine, _ = make_engine(tokenizer=LetterTokenizer())
+def test_text_output_matches_full_decode_when_streamed(tok):
+    engine, _ = make_engine(tokenizer=tok)
     pieces = {}
     seqs = engine.generate(PROMPTS[:2], greedy(10),
                            on_output=lambda o: pieces.setdefault(o.request_id, []).append(o.text_delta))
     for seq in seqs:
-        assert "".join(pieces[seq.request_id]) == seq.text == LetterTokenizer().decode(seq.output_token_ids)
+        assert "".join(pieces[seq.request_id]) == seq.text == tok.decode(seq.output_token_ids)
 
 
 # ---- engine --------------------------------------------------------------------------------
@@ -499,3 +598,155 @@ def test_preemption_by_a_tiny_block_budget_loses_nothing_and_changes_nothing():
         stats = engine.kv_cache_stats()
         assert stats["num_preemptions"] > 0 and stats["usage"] == 0.0
         assert sum(s.num_preemptions for s in seqs) == stats["num_preemptions"]
+
+
+# ---- rules that need the host: grammar and penalties; logprobs ------------------------------
+class PathGrammar:
+    """A stand-in for ``GrammarState``: allows exactly ``path``, then only ``stop``."""
+
+    def __init__(self, path: list[int], stop: int, vocab: int = VOCAB):
+        self.path, self.stop, self.vocab, self.pos, self.terminated = path, stop, vocab, 0, False
+
+    def next_bitmask(self) -> np.ndarray:
+        allowed = np.zeros(self.vocab + (-self.vocab % 32), bool)
+        allowed[self.path[self.pos] if self.pos < len(self.path) else self.stop] = True
+        return np.packbits(allowed, bitorder="little").view("<i4").astype(np.int32)
+
+    def accept(self, token: int) -> bool:
+        want = self.path[self.pos] if self.pos < len(self.path) else self.stop
+        if token != want:
+            return False
+        self.pos += 1
+        self.terminated = token == self.stop
+        return True
+
+
+def placeholder_rows(runner, row: int) -> int:
+    """How many steps fed the sequence in state ``row`` a token still in flight (-1)."""
+    return sum(int((b.input_ids[b.seq_starts[i]:b.seq_starts[i] + b.query_lens[i]] < 0).any())
+               for b in runner.batches for i in range(b.num_seqs) if b.rows[i] == row)
+
+
+def test_grammar_sequence_waits_for_its_token_and_the_others_keep_theirs():
+    free = run_alone(PROMPTS[1], greedy(10))
+    engine, runner = make_engine(max_num_seqs=2, budget=32, eos_token_ids=[63])
+    path = [5, 9, 13, 9, 5]
+    ruled = engine.add_request("g", PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.9, seed=1),
+                               grammar=PathGrammar(path, stop=63))
+    other = engine.add_request("o", PROMPTS[1], greedy(10))
+    while engine.has_unfinished():
+        engine.step()
+    assert ruled.output_token_ids == path + [63] and ruled.finish_reason == "stop"
+    assert other.output_token_ids == free  # its rows are the same in the shared batch
+    assert placeholder_rows(runner, 0) == 0  # never fed a token it had not seen on the host
+
+
+def test_penalties_follow_the_reference_with_the_whole_history():
+    params = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.8, frequency_penalty=0.9,
+                            presence_penalty=0.3, logit_bias={7: 1.5})
+    engine, runner = make_engine(max_num_seqs=2, budget=32)
+    seq = engine.add_request("p", PROMPTS[3], params)
+    engine.add_request("q", PROMPTS[4], greedy(12))  # shares the batch, overlapped
+    while engine.has_unfinished():
+        engine.step()
+    # The reference: the fake model's logits at each position, the host rule with the history.
+    ref, out = FakeRunner(1, 64), []
+    for _ in range(12):
+        logits = ref._logits(np.array(PROMPTS[3] + out))[None].astype(np.float32)
+        row = SampleRow(params, 0, prompt_ids=PROMPTS[3], output_ids=out)
+        out.append(int(SamplingBatch.build([row]).sample_on_host(logits)[0]))
+    assert seq.output_token_ids == out
+    assert out != run_alone(PROMPTS[3], greedy(12))  # the penalties changed something
+    assert placeholder_rows(runner, 0) == 0  # p was admitted first: state row 0
+
+
+def test_min_tokens_holds_eos_back():
+    first = run_alone(PROMPTS[2], greedy(1))[0]
+    engine, _ = make_engine(eos_token_ids=[first])
+    seq = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=6, temperature=0.0, min_tokens=4))[0]
+    assert len(seq.output_token_ids) >= 4 and first not in seq.output_token_ids[:4]
+
+
+def test_logprobs_and_prompt_logprobs_over_chunked_prefill():
+    """Output and prompt logprobs are the fake model's log_softmax at each position, also when
+    the prompt is prefilled in chunks (budget 5, prompt of 25) beside other sequences."""
+    def log_softmax(x):
+        x = x.astype(np.float64)
+        return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+
+    engine, runner = make_engine(max_num_seqs=3, budget=5)
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, prompt_logprobs=2)
+    seq = engine.add_request("e", PROMPTS[1], params)
+    engine.add_request("x", PROMPTS[0], SamplingParams(max_tokens=6, temperature=1.0, seed=3, logprobs=0))
+    while engine.has_unfinished():
+        engine.step()
+    ref = FakeRunner(1, 64)
+    tokens = PROMPTS[1] + seq.output_token_ids
+    assert len(seq.prompt_logprobs) == len(PROMPTS[1]) and seq.prompt_logprobs[0] is None
+    for i in range(1, len(tokens)):
+        lp = log_softmax(ref._logits(np.array(tokens[:i])))
+        entry = seq.prompt_logprobs[i] if i < len(PROMPTS[1]) else seq.output_logprobs[i - len(PROMPTS[1])]
+        chosen, ids, values = entry
+        k = 2 if i < len(PROMPTS[1]) else 3
+        assert abs(chosen - lp[tokens[i]]) < 1e-5 and ids == np.argsort(-lp)[:k].tolist()
+        np.testing.assert_allclose(values, lp[ids], atol=1e-5)
+    assert len(seq.output_logprobs) == 4
+    assert any((b.query_lens > 1).any() and (b.context_lens > 0).any() for b in runner.batches)
+
+
+def test_unseeded_requests_follow_the_global_seed():
+    def outputs(seed):
+        engine, _ = make_engine(max_num_seqs=2)
+        engine.seed = seed
+        return [s.output_token_ids for s in engine.generate(PROMPTS[:2], SamplingParams(max_tokens=8))]
+
+    assert outputs(0) == outputs(0)
+    assert outputs(0) != outputs(1)
+    a, b = outputs(5)
+    assert a != b or PROMPTS[0] == PROMPTS[1]
+
+
+# ---- the real runner: logprobs of the model's own forward ------------------------------------
+def _runner_run(backend: str) -> list[int]:
+    """Prompt and output logprobs of the tiny checkpoint (TP 1, CPU) checked against the
+    runner's plain forward; returns the seeded draws of a second request."""
+    from glm_fused.cli.common import Rank
+    from glm_fused.engine_args import EngineArgs
+    from glm_fused.tiny import ensure_tiny_checkpoint
+    from glm_fused.tokenizer import Tokenizer
+
+    args = EngineArgs(model="glm-4.5-air-tiny", backend=backend, device="cpu", max_num_seqs=2, max_model_len=64,
+                      max_num_batched_tokens=8).resolve()
+    rank = Rank(args)
+    runner = rank.build_runner()
+    tok = Tokenizer(ensure_tiny_checkpoint())
+    engine = LLMEngine(runner, args, vocab_size=rank.config.vocab_size, tokenizer=tok)
+    prompt = tok.encode("The lighthouse stands at the end of the long road", add_special_tokens=True)
+    scored = engine.add_request("a", prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=2,
+                                                            prompt_logprobs=1, repetition_penalty=1.3))
+    drawn = engine.add_request("b", prompt[:5], SamplingParams(max_tokens=5, temperature=1.0, seed=4, min_p=0.05,
+                                                               logit_bias={3: 2.0}))
+    while engine.has_unfinished():
+        engine.step()
+    full = prompt + scored.output_token_ids
+    args.max_num_batched_tokens = 64  # one forward over the whole sequence
+    logits = runner.forward(ForwardBatch.prefill([full], runner.slot_tables([0]), all_logits=True)).astype(np.float64)
+    runner.close()
+    lp = logits - logits.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    entries = scored.prompt_logprobs[1:] + scored.output_logprobs
+    assert len(entries) == len(full) - 1 and scored.prompt_logprobs[0] is None
+    for i, (chosen, ids, values) in enumerate(entries):
+        assert abs(chosen - lp[i, full[i + 1]]) < 1e-4, (backend, i)
+        assert ids[0] == int(np.argmax(lp[i])) and abs(values[0] - lp[i].max()) < 1e-4, (backend, i)
+    return drawn.output_token_ids
+
+
+@pytest.mark.timeout(240)
+def test_runner_logprobs_are_the_forward_log_softmax():
+    """ModelRunner.execute: prompt logprobs of a prompt prefilled in chunks (8 tokens a step)
+    and output logprobs equal log_softmax of the plain forward over the whole sequence (fp32:
+    within 1e-4), on Paddle (host sampler) and torch (device sampler), whose seeded draws
+    under min_p, logit_bias and a penalised neighbour are the same."""
+    pytest.importorskip("torch")
+    assert _runner_run("paddle") == _runner_run("torch")

@@ -10,7 +10,7 @@ import pytest
 from glm_fused import tiny
 from glm_fused.server.reasoning import (CONTENT, EXPECT, REASONING, Glm45ReasoningParser, parse_reasoning,
                                         start_state)
-from glm_fused.tokenizer import IncrementalDecoder, Tokenizer
+from glm_fused.tokenizer import Tokenizer
 
 # Generation prompts as GLM-4.5's template ends them.
 THINKING_ON = "[gMASK]<sop><|user|>\nWhat is 2+2?<|assistant|>"
@@ -120,7 +120,7 @@ def test_token_by_token_through_the_tiny_tokenizer(tok):
     text = "\n<think>The lighthouse stands at the end.</think>\nA river begins as rain, naïve café 🙂."
     ids = tok.encode(text)
     assert tok.decode(ids) == text  # the tags survive decoding (they are not special tokens)
-    decoder = IncrementalDecoder(tok)
+    decoder = tok.text_stream()
     pieces = [decoder.step(i) for i in ids] + [decoder.flush()]
     got_r, got_c, _ = stream(THINKING_ON, pieces)
     assert (got_r, got_c) == ("The lighthouse stands at the end.", "A river begins as rain, naïve café 🙂.")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from glm_fused import tiny
-from glm_fused.engine.sampling import InvalidParam, SamplingParams, sample
+from glm_fused.engine.sampling import InvalidParam, SamplingParams, row_key, sample
 from glm_fused.engine.structured import (StructuredOutputs, apply_bitmask_numpy, apply_bitmask_torch,
                                          bitmask_to_bool, request_format)
 from glm_fused.server.chat import parse_answer, resolve_tool_choice
@@ -73,10 +73,10 @@ def decode_random(so, compiled, seed: int, params: SamplingParams, forced: list[
     for t in forced:
         assert state.accept(t)
     row = so.allocate_bitmask(1)
-    for _ in range(MAX_TOKENS):
+    for step in range(MAX_TOKENS):
         logits = rng.standard_normal(so.vocab_size).astype(np.float32)
         state.fill(row)
-        token = sample(apply_bitmask_numpy(logits, row[0]), params, rng)
+        token = sample(apply_bitmask_numpy(logits, row[0]), params, row_key(seed, step))
         assert state.accept(token)
         if token in so.stop_token_ids:
             assert state.terminated
@@ -261,3 +261,22 @@ def test_the_tiny_models_own_logits(tiny_dir, tok, so):
             assert len(calls) == 1 and (tool == "any" or calls[0]["function"]["name"] == tool)
             fn = calls[0]["function"]
             jsonschema.validate(json.loads(fn["arguments"]), SCHEMAS[fn["name"]])
+
+
+def test_answers_stay_well_formed_utf8():
+    """xgrammar lets some byte sequences through that are not UTF-8 (F0 81 ...); the UTF-8
+    table keeps a constrained answer well-formed: after F0 only 90-BF may follow, a stop
+    token (no bytes) only between characters."""
+    from glm_fused.engine.structured import Utf8Table
+
+    vocab = [b"a", b"\xf0", b"\x81", b"\x90\x80\x80", b"\xc3", b"\xa9", b"", b"\xc3\xa9", b"\xed\xa0\x80"]
+    table = Utf8Table(vocab, 10)  # one id beyond the vocabulary: never allowed
+    start = table.next[0]
+    assert [int(x) >= 0 for x in start] == [True, True, False, False, True, False, True, True, False, False]
+    after_f0 = table.next[int(start[1])]
+    assert [int(x) >= 0 for x in after_f0[:9]] == [False, False, False, True, False, True, False, False, False]
+    assert after_f0[3] == 0  # F0 90 80 80 is a whole character
+    after_c3 = table.next[int(start[4])]
+    assert np.flatnonzero(after_c3 >= 0).tolist() == [2, 5]  # 81 and A9 complete it; nothing else
+    allowed = bitmask_to_bool(table.words[int(start[1])], 10)
+    assert np.flatnonzero(allowed).tolist() == [3, 5]  # 81 (below 90) is not

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from glm_fused import tiny
 from glm_fused.errors import UserError
 from glm_fused.model_path import resolve_model
-from glm_fused.tokenizer import IncrementalDecoder, Tokenizer
+from glm_fused.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 MULTIBYTE = "naïve café — 日本語の文章 🙂👍🏽 done."
@@ -239,18 +239,43 @@ def test_chat_template_glm_format(tok):
         tok.apply_chat_template([{"role": "narrator", "content": "x"}])
 
 
-def test_incremental_decoder_holds_back_partial_characters(tok):
-    text = "Hello " + MULTIBYTE + " bye"
-    ids = tok.encode(text)
-    dec = IncrementalDecoder(tok)
-    chunks = [dec.step(i) for i in ids]
-    assert "".join(chunks) + dec.flush() == text
-    assert all("\ufffd" not in c for c in chunks)
-    assert chunks.count("") >= 3  # multi-byte characters span several byte tokens
+GLM_TEXT = ("[gMASK]<sop><|system|>\nYou are helpful.<|user|>\nWeather in Zürich? 🙂<|assistant|>\n"
+            "<think>The user asks about Zürich — call the tool.</think>\n<tool_call>get_weather\n"
+            "<arg_key>city</arg_key>\n<arg_value>Zürich</arg_value>\n</tool_call><|observation|>\n"
+            "<tool_response>{\"temp\": 21, \"sky\": \"☀\"}</tool_response><|assistant|>\n"
+            "It is 21 °C — 晴れ, naïve café  \t spaces.\n")
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["skip-special", "keep-special"])
+def test_text_stream_gives_the_full_decode_piece_by_piece(tok, skip):
+    """TextStream (tokenizers' DecodeStream) against a full decode of every prefix: what it has
+    emitted is always the prefix's text, except an unfinished character held back, which it
+    never emits as U+FFFD; with the flush it is the whole text (the same pieces the
+    hand-written windowed decoder it replaced gave)."""
+    import random
+
+    cases = [tok.encode(GLM_TEXT), tok.encode("Hello " + MULTIBYTE + " bye")]
+    rng = random.Random(0)
+    cases += [[rng.randrange(tok.vocab_size) for _ in range(60)] for _ in range(20)]  # arbitrary ids
+    for ids in cases:
+        stream, out = tok.text_stream(skip_special_tokens=skip), ""
+        for k, t in enumerate(ids, 1):
+            piece = stream.step(t)
+            out += piece
+            full = tok.decode(ids[:k], skip_special_tokens=skip)
+            if not full.endswith("\ufffd"):
+                assert out == full, (ids[:k], out, full)
+            else:
+                assert full.startswith(out) and not piece.endswith("\ufffd")
+        assert out + stream.flush() == tok.decode(ids, skip_special_tokens=skip)
+    # Multi-byte characters span several byte tokens: pieces are often empty, never partial.
+    stream = tok.text_stream()
+    chunks = [stream.step(i) for i in tok.encode("Hello " + MULTIBYTE)]
+    assert chunks.count("") >= 3 and all("\ufffd" not in c for c in chunks)
     # Special tokens vanish when skipped, and surrounding text is unchanged.
-    dec = IncrementalDecoder(tok)
+    stream = tok.text_stream()
     ids = [tok.token_to_id("<|assistant|>"), *tok.encode("ok 🙂"), tok.token_to_id("<|user|>")]
-    assert "".join(dec.step(i) for i in ids) + dec.flush() == "ok 🙂"
+    assert "".join(stream.step(i) for i in ids) + stream.flush() == "ok 🙂"
 
 
 def test_tokenizer_errors_name_the_file(tiny_dir, tmp_path):
@@ -326,15 +351,27 @@ def test_resolve_from_hf_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    pinned = _fake_snapshot(hub, "zai-org/GLM-4.5-Air", "aaa111")
-    newer = _fake_snapshot(hub, "zai-org/GLM-4.5-Air", "bbb222")
+    a, b = "a1" * 20, "b2" * 20  # commit hashes, as the hub names snapshots
+    pinned = _fake_snapshot(hub, "zai-org/GLM-4.5-Air", a)
+    newer = _fake_snapshot(hub, "zai-org/GLM-4.5-Air", b)
     os.utime(pinned, (1, 1))
-    (hub / "models--zai-org--GLM-4.5-Air" / "refs").mkdir()
-    (hub / "models--zai-org--GLM-4.5-Air" / "refs" / "main").write_text("aaa111\n")
+    refs = hub / "models--zai-org--GLM-4.5-Air" / "refs"
+    refs.mkdir()
+    (refs / "main").write_text(a + "\n")
+    (refs / "v2").write_text(b)
     for spec in ("zai-org/GLM-4.5-Air", "GLM-4.5-Air", "glm-4.5-air"):
         got = resolve_model(spec)
         assert (got.path, got.name) == (pinned, "zai-org/GLM-4.5-Air")
-    (hub / "models--zai-org--GLM-4.5-Air" / "refs" / "main").unlink()
+    # --revision: a branch or tag (refs/), or a commit.
+    assert resolve_model("GLM-4.5-Air", revision="v2").path == newer
+    assert resolve_model("GLM-4.5-Air", revision=b).path == newer
+    assert resolve_model("GLM-4.5-Air", revision="main").path == pinned
+    with pytest.raises(UserError, match="--revision v3") as err:
+        resolve_model("GLM-4.5-Air", revision="v3")
+    assert "\n" not in str(err.value) and str(hub) in str(err.value)
+    with pytest.raises(UserError, match="--revision"):
+        resolve_model("glm-4.5-air-tiny", revision="main")  # not a cache entry
+    (refs / "main").unlink()
     assert resolve_model("GLM-4.5-Air").path == newer  # no ref: the newest snapshot
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))  # wins over HF_HOME
     with pytest.raises(UserError, match="elsewhere"):

@@ -70,7 +70,8 @@ class Rank:
 
                     why = env.flashinfer_error or choose_impl(env, dtype=a.dtype, num_tokens=1)[1]
                 fusion = "reference (all-reduce + add + RMSNorm" + (f"; {why})" if why else ")")
-        return (f"backend={a.backend} device={a.device} tp={self.world} dtype={a.dtype} "
+        backend = a.backend + (f" ({a.backend_reason})" if a.backend_reason else "")
+        return (f"backend={backend} device={a.device} tp={self.world} dtype={a.dtype} "
                 f"layout={'fused' if a.fused else 'unfused'} fusion={fusion}; {runner.kv.describe()}; "
                 f"prefix caching {'on' if a.enable_prefix_caching else 'off'}; "
                 f"max {a.max_num_seqs} sequences, {a.max_num_batched_tokens} tokens per step; "
@@ -79,12 +80,13 @@ class Rank:
 
 def load_tokenizer(args):
     """The checkpoint's tokenizer, or None when there is no tokenizer.json (dummy weights
-    from a bare config): then only token-id prompts can be served."""
+    from a bare config): then only token-id prompts can be served. ``args.chat_template``
+    (serve's ``--chat-template``), when set, replaces the checkpoint's template."""
     from glm_fused.tokenizer import Tokenizer
 
     if args.model_dir is None or not (Path(args.model_dir) / "tokenizer.json").is_file():
         return None
-    return Tokenizer(args.model_dir)
+    return Tokenizer(args.model_dir, chat_template=getattr(args, "chat_template", None))
 
 
 def eos_ids(config: Glm4MoeConfig, tokenizer) -> set[int]:
@@ -94,9 +96,10 @@ def eos_ids(config: Glm4MoeConfig, tokenizer) -> set[int]:
     return ids
 
 
-def run_main(parser: argparse.ArgumentParser, worker: str, argv=None, extra_checks=None) -> int:
+def run_main(parser: argparse.ArgumentParser, worker: str, argv=None, extra_checks=None, first_checks=None) -> int:
     """Parse, validate in this process, then run ``worker`` on --tp ranks via the launcher.
 
+    ``first_checks(args)`` runs before the settings are resolved, ``extra_checks(args)`` after.
     The ranks get the namespace with the resolved ``EngineArgs`` fields in it (the script's
     own flags beside them); ``Rank(args)`` takes the settings back out.
     """
@@ -104,6 +107,8 @@ def run_main(parser: argparse.ArgumentParser, worker: str, argv=None, extra_chec
 
     args = parser.parse_args(argv)
     try:
+        if first_checks is not None:
+            first_checks(args)
         vars(args).update(EngineArgs.from_cli(args).resolve().to_dict())
         if extra_checks is not None:
             extra_checks(args)

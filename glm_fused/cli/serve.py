@@ -35,7 +35,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scripts/serve.py",
         description="OpenAI-compatible server (continuous batching, streaming) for GLM-4.5-Air.")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as `vllm serve MODEL` takes it (the same as --model)")
     EngineArgs.add_cli_args(parser)
+    g = parser.add_argument_group("OpenAI API")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file to use instead of the checkpoint's")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model call tools on its own (tool_choice auto; needs --tool-call-parser)")
+    g.add_argument("--tool-call-parser", choices=["glm45"], default=None,
+                   help="read tool calls in the model's output: glm45 (GLM-4.5's <tool_call> format)")
+    g.add_argument("--reasoning-parser", choices=["glm45"], default=None,
+                   help="split the <think> block into reasoning_content: glm45")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per request (default: one line each, with status, time and tokens)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -67,7 +80,31 @@ def parse_size(text: str, flag: str) -> int:
     return int(m.group(1)) * 1024 ** " kmg".index((m.group(2) or " ").lower())
 
 
+def check_model_flags(args: argparse.Namespace) -> None:
+    """Before the model is resolved: the positional MODEL is --model."""
+    if args.model_tag is not None:
+        if "--model" in (args.given or []) and args.model != args.model_tag:
+            raise UserError(f"the model is given twice: {args.model_tag!r} and --model {args.model}")
+        args.model = args.model_tag
+
+
 def check_server_flags(args: argparse.Namespace) -> None:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UserError("--enable-auto-tool-choice needs --tool-call-parser (glm45)")
+    if args.chat_template is not None:
+        from pathlib import Path
+
+        from glm_fused.tokenizer import Tokenizer
+
+        if not Path(args.chat_template).expanduser().is_file():
+            raise UserError(f"--chat-template {args.chat_template}: no such file")
+        if args.model_dir is None or not (Path(args.model_dir) / "tokenizer.json").is_file():
+            raise UserError("--chat-template: this model has no tokenizer.json to go with it")
+        tok = Tokenizer(args.model_dir, chat_template=args.chat_template)
+        try:
+            tok.apply_chat_template([{"role": "user", "content": "hi"}])
+        except UserError as exc:
+            raise UserError(f"--chat-template {args.chat_template}: {exc}") from None
     if not 1 <= args.port <= 65535:
         raise UserError(f"--port {args.port}: must be in 1..65535")
     if args.api_key is not None and not args.api_key.strip():
@@ -99,7 +136,15 @@ def check_server_flags(args: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> int:
-    return run_main(build_parser(), "glm_fused.cli.serve:worker", argv, extra_checks=check_server_flags)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    given = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
+
+    def first(args):
+        args.given = given
+        check_model_flags(args)
+
+    return run_main(build_parser(), "glm_fused.cli.serve:worker", argv, extra_checks=check_server_flags,
+                    first_checks=first)
 
 
 # ---- every rank --------------------------------------------------------------------------
@@ -137,6 +182,7 @@ def _serve(args: argparse.Namespace) -> int:
     from glm_fused.config import Glm4MoeConfig
     from glm_fused.engine import LLMEngine
     from glm_fused.server import EngineBridge, HttpServer, ServerMetrics, create_app, run_engine_loop
+    from glm_fused.server.app import Grammars
     from glm_fused.server.preprocess_pool import PreprocessPool
     from glm_fused.server.watchdog import EngineWatchdog, exchange_pids
 
@@ -144,15 +190,23 @@ def _serve(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     bridge, metrics, info = EngineBridge(), ServerMetrics(args.served_model_name), {}
     tokenizer = load_tokenizer(args)
+    config = Glm4MoeConfig.from_json_file(args.config_path)
+    options = {"max_logprobs": args.max_logprobs, "enable_auto_tool_choice": args.enable_auto_tool_choice,
+               "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser}
     # Started once the model is loaded: the context limit may be settled by the KV-cache sizing.
-    pool = PreprocessPool({"model_name": args.served_model_name,
-                           "vocab_size": Glm4MoeConfig.from_json_file(args.config_path).vocab_size,
+    pool = PreprocessPool({"model_name": args.served_model_name, "vocab_size": config.vocab_size,
+                           "options": options, "chat_template": args.chat_template,
                            "tokenizer_dir": args.model_dir if tokenizer is not None else None},
                           workers=args.preprocess_workers)
+    grammars = None
+    if tokenizer is not None:
+        from glm_fused.engine.structured import StructuredOutputs
+
+        grammars = Grammars(lambda: StructuredOutputs(tokenizer, config.vocab_size, eos_ids(config, tokenizer)))
     app = create_app(bridge, metrics, model_name=args.served_model_name, pool=pool,
                      max_model_len=args.max_model_len, api_key=args.api_key, info=info,
-                     max_body_bytes=args.max_request_body_bytes)
-    http = HttpServer(app, args.host, args.port)
+                     max_body_bytes=args.max_request_body_bytes, tokenizer=tokenizer, grammars=grammars)
+    http = HttpServer(app, args.host, args.port, log_requests=not args.disable_log_requests)
     http.start()  # /health says 503 while the ranks load
 
     rank = _join(args)  # imports the backend (which may install its own handlers) and joins the group

@@ -12,6 +12,12 @@ N+1 is scheduled and launched before step N's tokens reach the host, its decode 
 placeholders the runner fills on the device with step N's samples. Then step N's tokens are
 collected (detokenized, checked for stop conditions, streamed) while step N+1 runs. A sequence
 that turns out to have stopped at step N has one wasted row in step N+1, which is dropped.
+
+Not for every sequence: a grammar's mask for step N+1 depends on step N's token (the grammar
+advances on the host when the token is collected), and penalties count the tokens made. Such
+a sequence never gets a step while its token is in flight (``Sequence.waits_for_host``), and
+when step N holds one, the engine collects step N before it schedules step N+1: the grammar
+sequence goes at full speed, and the batch it shares runs without overlap while it does.
 """
 
 from __future__ import annotations
@@ -23,11 +29,10 @@ from typing import Callable, Iterable
 import numpy as np
 
 from glm_fused.batch import ForwardBatch
-from glm_fused.engine.sampling import InvalidParam, SamplingBatch, SamplingParams, row_key
+from glm_fused.engine.sampling import InvalidParam, SampleRow, SamplingBatch, SamplingParams, derive_seed, row_key
 from glm_fused.engine.scheduler import Scheduler
 from glm_fused.engine_args import EngineArgs
 from glm_fused.engine.sequence import Sequence
-from glm_fused.tokenizer import IncrementalDecoder
 
 # CMD_PING: a no-op the other ranks answer with a barrier, so an idle rank 0 notices a rank
 # that stopped answering (its engine watchdog sees the barrier hang).
@@ -45,7 +50,7 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
-    seq: Sequence  # read-only view for timings and full results
+    seq: Sequence  # read-only view for timings and full results (logprobs: seq.output_logprobs)
 
 
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, *, max_model_len: int,
@@ -99,6 +104,9 @@ class LLMEngine:
         self.barrier = barrier  # given: idle heartbeats are pings (the workers pass barrier to run_worker)
         self.heartbeat_s = heartbeat_s
         self.seqs: dict[str, Sequence] = {}
+        self.seed = args.seed            # unseeded requests' seeds derive from it and a counter
+        self.max_logprobs = args.max_logprobs
+        self._requests = 0
         self._inflight = None  # (ScheduledStep, callable giving its tokens) launched, not yet collected
         self._last_broadcast = time.monotonic()
         self._stopped = False
@@ -120,13 +128,27 @@ class LLMEngine:
                      param=param, max_tokens_given=max_tokens_given)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> Sequence:
+                    arrival_time: float | None = None, grammar=None) -> Sequence:
+        """``grammar``: a ``GrammarState`` the output must follow (structured output)."""
         if request_id in self.seqs:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.check_prompt(prompt_token_ids, params)
-        detok = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > self.max_logprobs:
+                raise InvalidParam(name, f"{name}={n}: this server returns at most {self.max_logprobs} "
+                                         f"(--max-logprobs)")
+        if self.vocab_size is not None:
+            bad = [t for t in params.logit_bias if t >= self.vocab_size]
+            if bad:
+                raise InvalidParam("logit_bias", f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                                                 f"(0..{self.vocab_size - 1})")
+        detok = self.tokenizer.text_stream(params.skip_special_tokens) if self.tokenizer is not None else None
+        self._requests += 1
+        seed = params.seed if params.seed is not None else derive_seed(self.seed, self._requests)
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seq = Sequence(request_id, prompt_token_ids, params, detokenizer=detok, arrival_time=arrival_time,
-                       max_len=self.max_model_len)
+                       max_len=self.max_model_len, sampling_seed=seed, grammar=grammar, stop_ids=stops)
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
         return seq
@@ -163,44 +185,92 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch the next forward (with its sampling), then collect the previous one's tokens,
-        which reached the host while this one runs on the device."""
+        which reached the host while this one runs on the device. When the previous step holds
+        a sequence that waits for its token on the host (grammar, penalties), collect it first."""
+        outputs = []
+        if self._inflight is not None and any(seq.waits_for_host and not seq.finished
+                                              for seq, sampled in zip(self._inflight[0].seqs,
+                                                                      self._inflight[0].sample) if sampled):
+            outputs = self._collect(*self._inflight)
+            self._inflight = None
         step = self.scheduler.schedule()
         launched = None
         if step is not None:
-            rows = [(seq.params, row_key(seq.sampling_seed, seq.next_sample_index))
-                    for seq, sampled in zip(step.seqs, step.sample) if sampled]
-            sampling = SamplingBatch.build(rows)  # no rows: a step of prompt chunks only
+            sampling, scored = self._sampling(step)
             self._send(CMD_FORWARD, np.concatenate([sampling.to_array(), step.batch.to_array()]))
             start = time.perf_counter()
-            result = self.runner.execute(step.batch, sampling, sample=bool(rows))
+            result = self.runner.execute(step.batch, sampling, sample=sampling.num_rows > 0)
             self.forward_seconds += time.perf_counter() - start
             self.num_steps += 1
             self.num_forward_tokens += step.num_tokens
             self._add_fusion_stats()
             self.scheduler.commit(step)
-            launched = (step, result)
-        outputs = self._collect(*self._inflight) if self._inflight is not None else []
+            launched = (step, result, scored)
+        if self._inflight is not None:
+            outputs += self._collect(*self._inflight)
         self._inflight = launched
         return outputs
 
-    def _collect(self, step, result) -> list[RequestOutput]:
+    def _sampling(self, step) -> tuple[SamplingBatch, list[tuple[Sequence, int]]]:
+        """The step's ``SamplingBatch`` (no rows: prompt chunks only), and which sequences'
+        prompt tokens it scores (echo): (sequence, rows) in row order."""
+        rows, prompt_rows, targets, scored, top_n = [], [], [], [], 0
+        for seq, n, sampled, offset in zip(step.seqs, step.num_new, step.sample, step.batch.seq_starts):
+            p = seq.params
+            if p.prompt_logprobs is not None and seq.in_prefill:
+                # Position i's logits score prompt token i + 1; the last prompt position's are
+                # the first sample's.
+                # Positions already scored (a prompt computed again) are not scored twice.
+                first = seq.num_computed
+                start, end = max(first, len(seq.prompt_logprobs) - 1), min(first + n, seq.prompt_len - 1)
+                if end > start:
+                    prompt_rows.extend(range(int(offset) + start - first, int(offset) + end - first))
+                    targets.extend(seq.prompt_token_ids[start + 1:end + 1])
+                    scored.append((seq, end - start))
+                    top_n = max(top_n, p.prompt_logprobs)
+            if not sampled:
+                continue
+            index = seq.next_sample_index
+            rows.append(SampleRow(
+                p, row_key(seq.sampling_seed, index), num_output=index,
+                stop_ids=seq.stop_ids if seq.grammar is None else (),  # the grammar says when to stop
+                prompt_ids=seq.prompt_token_ids if p.penalized else (),
+                output_ids=seq.output_token_ids if p.penalized else (),
+                bitmask=seq.grammar.next_bitmask() if seq.grammar is not None else None))
+        return SamplingBatch.build(rows, prompt_rows=prompt_rows, prompt_targets=targets,
+                                   prompt_logprobs=top_n), scored
+
+    def _collect(self, step, result, scored) -> list[RequestOutput]:
         start = time.perf_counter()
-        tokens = result()  # waits for that step's tokens only
+        out = result()  # waits for that step's results only
         self.forward_seconds += time.perf_counter() - start
         device_seconds = getattr(result, "device_seconds", None)
         if device_seconds is not None and bool((step.batch.query_lens == 1).all()):
             self.num_decode_steps += 1
             self.decode_device_seconds += device_seconds
+        if scored and out is not None and out.prompt_logprobs is not None:
+            chosen, ids, values = out.prompt_logprobs
+            at = 0
+            for seq, n in scored:
+                k = seq.params.prompt_logprobs
+                seq.prompt_logprobs.extend((float(chosen[i]), ids[i, :k].tolist(), values[i, :k].tolist())
+                                           for i in range(at, at + n))
+                at += n
         outputs, row = [], 0
         now = time.monotonic()
         for seq, sampled in zip(step.seqs, step.sample):
             if not sampled:
                 continue
-            token = int(tokens[row])
+            token = int(out.tokens[row])
             row += 1
             if seq.finished:  # aborted, or stopped at the step before: this row was a spare
                 continue
             seq.num_inflight -= 1
+            if seq.params.logprobs is not None and out.logprobs is not None:
+                chosen, ids, values = out.logprobs
+                k = seq.params.logprobs
+                seq.output_logprobs.append((float(chosen[row - 1]), ids[row - 1, :k].tolist(),
+                                            values[row - 1, :k].tolist()))
             seq.append_token(token, self.eos_token_ids, self.max_model_len, now=now)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq, seq.finish_reason)
@@ -276,7 +346,7 @@ def run_worker(runner, broadcast_int64, barrier: Callable[[], object] | None = N
             return steps
         if cmd == CMD_FORWARD:
             sampling, used = SamplingBatch.from_array(msg[1:])
-            runner.execute(ForwardBatch.from_array(msg[1 + used:]), sampling, sample=len(sampling.keys) > 0)
+            runner.execute(ForwardBatch.from_array(msg[1 + used:]), sampling, sample=sampling.num_rows > 0)
             steps += 1
         elif cmd == CMD_PING:
             if barrier is None:

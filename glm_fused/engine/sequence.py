@@ -18,7 +18,11 @@ class Sequence:
     """A request: its prompt, generated tokens, KV-cache blocks, and how much of it is cached."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 detokenizer=None, arrival_time: float | None = None, max_len: int = 1 << 62):
+                 detokenizer=None, arrival_time: float | None = None, max_len: int = 1 << 62,
+                 sampling_seed: int | None = None, grammar=None, stop_ids: frozenset[int] = frozenset()):
+        """``sampling_seed``: the seed of the draws (default: the request's own, else fresh);
+        ``grammar``: a ``glm_fused.engine.structured.GrammarState`` its tokens must follow;
+        ``stop_ids``: the ids that end it (EOS, ``stop_token_ids``), which ``min_tokens`` holds back."""
         if not prompt_token_ids:
             raise ValueError("empty prompt")
         self.request_id = request_id
@@ -40,11 +44,18 @@ class Sequence:
         # last, read by the next step's placeholder): from its first admission to its end.
         self.row: int | None = None
         self.finish_reason: str | None = None
-        self.sampling_seed = params.sampling_seed()
+        self.sampling_seed = params.sampling_seed() if sampling_seed is None else sampling_seed
+        self.grammar = grammar
+        self.stop_ids = stop_ids
+        # Logprobs, when asked: per output token (logprob, top ids, top logprobs); per prompt
+        # token the same, None for the first (nothing predicts it).
+        self.output_logprobs: list[tuple[float, list[int], list[float]]] = []
+        self.prompt_logprobs: list[tuple[float, list[int], list[float]] | None] = \
+            [None] if params.prompt_logprobs is not None else []
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
-        # Text (only with a detokenizer: glm_fused.tokenizer.IncrementalDecoder or alike, with
+        # Text (only with a detokenizer: glm_fused.tokenizer.TextStream or alike, with
         # step(id) -> str and flush() -> str): output so far, cut at a stop string; `_sent`
         # chars were already handed out as deltas.
         self.detokenizer = detokenizer
@@ -69,9 +80,18 @@ class Sequence:
         return self.num_tokens + self.num_inflight - self.num_computed
 
     @property
+    def waits_for_host(self) -> bool:
+        """Whether its next draw needs its last token on the host: a grammar advances with each
+        token (the mask of the next step comes from it), penalties count the tokens. Such a
+        sequence never gets a step with a token in flight (no overlapped step)."""
+        return self.grammar is not None or self.params.penalized
+
+    @property
     def wants_more(self) -> bool:
         """Whether another token may still be generated, counting those in flight (EOS and stop
         strings are only known once a token reaches the host)."""
+        if self.num_inflight and self.waits_for_host:
+            return False
         made = len(self.output_token_ids) + self.num_inflight
         return made < self.params.max_tokens and self.num_tokens + self.num_inflight < self.max_len
 
@@ -110,6 +130,13 @@ class Sequence:
         self.last_token_time = now
         self.output_token_ids.append(int(token_id))
         params = self.params
+        if self.grammar is not None:
+            if not self.grammar.accept(token_id):  # the mask allows only what it accepts: a bug
+                self.finish_reason = "abort"
+                return
+            if self.grammar.terminated:  # it took a stop token: the answer is complete
+                self.finish_reason = "stop"
+                return
         if not params.ignore_eos and token_id in eos_token_ids:
             self.finish_reason = "stop"   # the EOS token counts as generated, shows no text
             return
@@ -119,7 +146,8 @@ class Sequence:
         if self.detokenizer is not None:
             old_len = len(self.text)
             self.text += self.detokenizer.step(token_id)
-            if self._check_stop_strings(old_len):
+            # Stop strings count from min_tokens on, as vLLM's.
+            if len(self.output_token_ids) > params.min_tokens and self._check_stop_strings(old_len):
                 return
         if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
             self.finish_reason = "length"
@@ -129,9 +157,10 @@ class Sequence:
             return False
         # Earlier text was already searched: a new match must end inside the new text.
         start = max(0, old_len - self._max_stop + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.params.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, size = min(hits)
+            self.text = self.text[:at + (size if self.params.include_stop_str_in_output else 0)]
             self.finish_reason = "stop"
             self._cut = True
             return True

@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from glm_fused.engine.sampling import InvalidParam
+from glm_fused.engine.sampling import InvalidParam, bitmask_to_bool  # noqa: F401 - bitmask_to_bool is part of this API
 from glm_fused.errors import UserError
 
 # Longest run of whitespace allowed inside JSON: room for pretty-printed nesting, but a weak
@@ -86,6 +86,8 @@ def _json_safe(schema: Any) -> Any:
     if bounded and is_string_property(out) and not any(k in out for k in ("pattern", "format", "enum", "const")):
         low, high = out.get("minLength", 0), out.get("maxLength")
         out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{"" if high is None else high}}}$'
+        out.pop("minLength", None)  # the pattern holds the bounds (xgrammar warns about both at once)
+        out.pop("maxLength", None)
     return out
 
 
@@ -96,7 +98,6 @@ def _json_format(schema: Any, **kwargs):
 def _value_format(schema: Any):
     from glm_fused.server.tool_parser import is_string_property
 
-    st = _st()
     if isinstance(schema, dict) and is_string_property(schema):
         return _string_format(schema)
     return _json_format(schema if isinstance(schema, dict) and schema else True, excludes=_VALUE_EXCLUDES)
@@ -183,6 +184,61 @@ def request_format(*, response_format: dict | None = None, tools: list[dict] | N
     return st.StructuralTag(format=body)
 
 
+# ---- well-formed UTF-8 --------------------------------------------------------------------------
+# xgrammar 0.2.9 matches a character class byte by byte and lets through byte sequences that are
+# not UTF-8 (F0 81 ..., E0 80 ...: a sampled JSON string then decodes to U+FFFD and breaks its
+# maxLength or pattern). So a constrained answer also follows UTF-8's own automaton: its state
+# is (continuation bytes still due, range of the next one); 0 = between characters.
+_UTF8_STATES = ((0, 0, 0), (1, 0x80, 0xBF), (2, 0x80, 0xBF), (2, 0xA0, 0xBF), (2, 0x80, 0x9F), (3, 0x80, 0xBF),
+                (3, 0x90, 0xBF), (3, 0x80, 0x8F))
+_UTF8_INDEX = {state: i for i, state in enumerate(_UTF8_STATES)}
+
+
+def _utf8_step(state: int, byte: int) -> int:
+    """The next state after ``byte``, or -1 when it breaks UTF-8 (RFC 3629's table)."""
+    need, low, high = _UTF8_STATES[state]
+    if need:
+        if not low <= byte <= high:
+            return -1
+        return 0 if need == 1 else _UTF8_INDEX[(need - 1, 0x80, 0xBF)]
+    if byte < 0x80:
+        return 0
+    for first, last, nxt in ((0xC2, 0xDF, (1, 0x80, 0xBF)), (0xE0, 0xE0, (2, 0xA0, 0xBF)),
+                             (0xE1, 0xEC, (2, 0x80, 0xBF)), (0xED, 0xED, (2, 0x80, 0x9F)),
+                             (0xEE, 0xEF, (2, 0x80, 0xBF)), (0xF0, 0xF0, (3, 0x90, 0xBF)),
+                             (0xF1, 0xF3, (3, 0x80, 0xBF)), (0xF4, 0xF4, (3, 0x80, 0x8F))):
+        if first <= byte <= last:
+            return _UTF8_INDEX[nxt]
+    return -1
+
+
+class Utf8Table:
+    """Per UTF-8 state: which tokens keep the text well-formed (bitmask words) and the state
+    each leaves. A token without bytes (a stop token) is allowed only between characters."""
+
+    def __init__(self, decoded_vocab: list[bytes], vocab_size: int):
+        n = len(_UTF8_STATES)
+        self.next = np.full((n, vocab_size), -1, dtype=np.int8)
+        for token, data in enumerate(decoded_vocab[:vocab_size]):
+            if data.isascii():  # most tokens: fine between characters, never inside one
+                self.next[0, token] = 0
+            else:
+                for start in range(n):
+                    self.next[start, token] = _utf8_run(start, data)
+        words = (vocab_size + 31) // 32
+        allowed = np.zeros((n, words * 32), dtype=bool)
+        allowed[:, :vocab_size] = self.next >= 0
+        self.words = np.packbits(allowed, axis=-1, bitorder="little").view("<i4").reshape(n, words).astype(np.int32)
+
+
+def _utf8_run(state: int, data: bytes) -> int:
+    for byte in data:
+        state = _utf8_step(state, byte)
+        if state < 0:
+            return -1
+    return state
+
+
 # ---- compiling, and one sequence's state ---------------------------------------------------
 class StructuredOutputs:
     """The tokenizer's vocabulary as xgrammar sees it, and a caching grammar compiler.
@@ -213,6 +269,7 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.stop_token_ids = frozenset(stops)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
+        self.utf8 = Utf8Table([bytes(t) for t in self.info.decoded_vocab], vocab_size)
 
     def compile(self, tag, param: str = "response_format"):
         """A compiled grammar (cached by the compiler); ``InvalidParam`` if xgrammar refuses it."""
@@ -223,7 +280,7 @@ class StructuredOutputs:
             raise InvalidParam(param, f"{param}: the schema cannot be enforced: {first}") from None
 
     def state(self, compiled) -> "GrammarState":
-        return GrammarState(compiled, self.vocab_size)
+        return GrammarState(compiled, self.vocab_size, self.utf8)
 
     def allocate_bitmask(self, batch_size: int) -> np.ndarray:
         """Rows for ``GrammarState.fill`` (int32, 32 tokens per word, bit set = allowed)."""
@@ -233,13 +290,29 @@ class StructuredOutputs:
 class GrammarState:
     """One sequence's position in its grammar."""
 
-    def __init__(self, compiled, vocab_size: int):
+    def __init__(self, compiled, vocab_size: int, utf8: Utf8Table | None = None):
         self._matcher = _xgr().GrammarMatcher(compiled)
         self.vocab_size = vocab_size
+        self._utf8, self._utf8_state = utf8, 0
 
     def fill(self, bitmask, row: int = 0) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (numpy or a CPU torch tensor)."""
+        """Write the allowed next tokens into ``bitmask[row]`` (numpy or a CPU torch tensor):
+        the grammar's, that keep the text well-formed UTF-8."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._utf8 is not None:
+            words = self._utf8.words[self._utf8_state]
+            if isinstance(bitmask, np.ndarray):
+                bitmask[row] &= words
+            else:
+                import torch
+
+                bitmask[row] &= torch.from_numpy(words)
+
+    def next_bitmask(self) -> np.ndarray:
+        """The allowed next tokens as one bitmask row (int32 words), for the sampler."""
+        row = np.full((1, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
+        self.fill(row)
+        return row[0]
 
     def allowed(self) -> np.ndarray:
         """The allowed next tokens as a bool vector (for tests and the numpy sampler)."""
@@ -249,7 +322,11 @@ class GrammarState:
 
     def accept(self, token_id: int) -> bool:
         """Advance by the sampled token; False if the grammar does not allow it."""
-        return bool(self._matcher.accept_token(int(token_id)))
+        if not self._matcher.accept_token(int(token_id)):
+            return False
+        if self._utf8 is not None and 0 <= token_id < self._utf8.next.shape[1]:
+            self._utf8_state = max(int(self._utf8.next[self._utf8_state, token_id]), 0)
+        return True
 
     @property
     def completed(self) -> bool:
@@ -263,12 +340,6 @@ class GrammarState:
 
 
 # ---- applying the mask ----------------------------------------------------------------------
-def bitmask_to_bool(row: np.ndarray, vocab_size: int) -> np.ndarray:
-    """One bitmask row as bools: token ``t`` is bit ``t % 32`` of word ``t // 32``."""
-    words = np.ascontiguousarray(np.asarray(row, dtype=np.int32).astype("<i4", copy=False))
-    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
-
-
 def apply_bitmask_numpy(logits: np.ndarray, row: np.ndarray) -> np.ndarray:
     """Disallowed tokens' logits to -inf, in place (one row ``[vocab]``); returns ``logits``."""
     allowed = bitmask_to_bool(row, logits.shape[-1])

@@ -217,6 +217,15 @@ class Ops:
         (a plain host-to-device copy of pageable memory waits for the work queued before it)."""
         return self.tensor(array, like)
 
+    def logprobs(self, logits, targets, n: int) -> tuple:
+        """``(logprob of each row's target [rows], top-n ids [rows, n], their logprobs [rows, n])``
+        of the raw distribution ``log_softmax(logits)`` (float32, on the logits' device).
+        This default computes on the host (``glm_fused.engine.sampling.logprobs_on_host``)."""
+        from glm_fused.engine.sampling import logprobs_on_host
+
+        out = logprobs_on_host(self.to_numpy(self.float32(logits)), self.to_numpy(targets), n)
+        return tuple(self.tensor(a, like=logits) for a in out)
+
     def to_host_async(self, x, staging=None):
         """A callable giving ``x`` as a numpy array once it is on the host (default: at once)."""
         value = self.to_numpy(x)

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -31,11 +32,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from glm_fused.engine import InvalidParam, LLMEngine, RequestOutput, SamplingParams
+from glm_fused.engine.sampling import derive_seed
 from glm_fused.errors import UserError
 from glm_fused.server import protocol as P
+from glm_fused.server.access_log import ACCESS_NOTE, AccessLog
 from glm_fused.server.client_watch import ClientWatch, client_gone
 from glm_fused.server.errors import ApiError, install_error_handlers
 from glm_fused.server.metrics import ServerMetrics
+from glm_fused.server.outputs import Choice, TokenTexts, chat_logprobs
 from glm_fused.server.preprocess_pool import PreprocessPool
 
 logger = logging.getLogger("glm_fused.server")
@@ -67,11 +71,15 @@ class EngineBridge:
         return self.engine is not None and not self.stop_requested and self.failed is None
 
     # ---- HTTP side (event loop) ------------------------------------------------------------
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+    def submit(self, subs: list[tuple[str, list[int], SamplingParams, object]]) -> asyncio.Queue:
+        """Queue one engine request per ``(request id, prompt ids, params, grammar state)``;
+        their outputs arrive, in order per request, in the one queue returned."""
         self.loop = asyncio.get_running_loop()
         results: asyncio.Queue = asyncio.Queue()
-        self.streams[request_id] = results
-        self.inbox.put(("add", request_id, prompt_ids, params, time.monotonic()))
+        now = time.monotonic()
+        for request_id, prompt_ids, params, grammar in subs:
+            self.streams[request_id] = results
+            self.inbox.put(("add", request_id, prompt_ids, params, now, grammar))
         return results
 
     def abort(self, request_id: str) -> None:
@@ -120,9 +128,9 @@ def run_engine_loop(engine: LLMEngine, bridge: EngineBridge, metrics: ServerMetr
         while True:
             for cmd in bridge.take(0 if engine.has_unfinished() else IDLE_POLL_S):
                 if cmd[0] == "add":
-                    _, rid, prompt_ids, params, arrival = cmd
+                    _, rid, prompt_ids, params, arrival, grammar = cmd
                     try:
-                        engine.add_request(rid, prompt_ids, params, arrival_time=arrival)
+                        engine.add_request(rid, prompt_ids, params, arrival_time=arrival, grammar=grammar)
                         metrics.on_admitted(len(prompt_ids))
                     except (InvalidParam, ValueError) as exc:
                         bridge.deliver([(rid, ApiError(400, str(exc), getattr(exc, "param", None),
@@ -170,13 +178,17 @@ def _observe(metrics: ServerMetrics, outs: list[RequestOutput]) -> None:
 # ---- the FastAPI app ---------------------------------------------------------------------
 def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str, pool: PreprocessPool,
                max_model_len: int | None, max_body_bytes: int, api_key: str | None = None,
-               info: dict | None = None) -> FastAPI:
+               info: dict | None = None, tokenizer=None, grammars: "Grammars | None" = None) -> FastAPI:
     """``pool`` prepares requests (``preprocess_pool``); bodies over ``max_body_bytes`` get 413.
     ``info``: what the server runs (backend, TP, layout, fusion...), shown in /v1/models;
-    the caller may fill it in after the model has loaded. Serve it with ``HttpServer``, whose
-    ``ClientWatch`` tells the handlers when a client hangs up. ``max_model_len``: the context
-    limit if known before loading (None: the engine's, once loaded)."""
+    the caller may fill it in after the model has loaded. ``tokenizer``: rank 0's (token
+    texts of logprobs, ``/tokenizer_info``); ``grammars``: compiles structured-output
+    grammars. Serve it with ``HttpServer``, whose ``ClientWatch`` tells the handlers when a
+    client hangs up. ``max_model_len``: the context limit if known before loading (None: the
+    engine's, once loaded)."""
     info = {} if info is None else info
+    texts = TokenTexts(tokenizer)
+    tokenizer_info = _tokenizer_info(tokenizer, max_model_len) if tokenizer is not None else None
     app = FastAPI(title="glm_fused", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, metrics.on_error)
 
@@ -217,6 +229,32 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/version")
+    async def version():
+        from glm_fused import __version__
+
+        return {"version": __version__}
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        if tokenizer_info is None:
+            raise ApiError(404, "this server has no tokenizer (dummy weights from a bare config)")
+        return tokenizer_info
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        return await tokenizer_endpoint(raw, "tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        return await tokenizer_endpoint(raw, "detokenize")
+
+    async def tokenizer_endpoint(raw: Request, kind: str):
+        engine_or_503()
+        body = await read_body(raw)
+        prep = await unless_gone(pool.prepare(kind, body), client_gone(raw.scope))
+        return prep.result
+
     # ---- generation --------------------------------------------------------------------------
     @app.post("/v1/completions", dependencies=v1)
     async def completions(raw: Request):
@@ -232,25 +270,45 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
         body = await read_body(raw)
         prep = await unless_gone(pool.prepare(kind, body), gone)
         del body
+        states = None
+        if prep.grammar is not None:
+            if grammars is None:
+                raise ApiError(400, "structured output is not available on this server", param="response_format")
+            try:
+                so, compiled = await unless_gone(asyncio.to_thread(grammars.compile, prep.grammar), gone)
+            except (InvalidParam, UserError) as exc:  # the worker compiled it already: not expected
+                raise ApiError(400, str(exc), param=getattr(exc, "param", "response_format")) from None
+            states = lambda: so.state(compiled)  # noqa: E731 - one matcher per choice
         engine_or_503()  # it may have stopped meanwhile
         rid = P.new_id("cmpl" if kind == "completion" else "chatcmpl")
-        results = bridge.submit(rid, prep.prompt_ids, prep.params)
+        choices, subs = [], []
+        for i, ids in enumerate(prep.prompts):
+            for j in range(prep.n):
+                index = i * prep.n + j
+                sub = rid if len(prep.prompts) * prep.n == 1 else f"{rid}-{index}"
+                params = prep.params
+                if j and params.seed is not None:  # n choices of a seeded request: seeded, not alike
+                    params = dataclasses.replace(params, seed=derive_seed(params.seed, j))
+                choices.append(Choice(index, sub, i, prep, texts))
+                subs.append((sub, ids, params, states() if states is not None else None))
+        results = bridge.submit(subs)
         watcher = report_hang_up(gone, results)
-        n_prompt = len(prep.prompt_ids)
+        by_id = {c.request_id: c for c in choices}
+        n_prompt = sum(len(p) for p in prep.prompts)
+        log_line = raw.scope.setdefault("state", {})
         if prep.stream:
-            if kind == "completion":
-                events = completion_stream(rid, results, n_prompt, prep.include_usage, prep.return_token_ids)
-            else:
-                events = chat_stream(rid, results, n_prompt, prep.include_usage)
+            events = (completion_stream if kind == "completion" else chat_stream)(rid, results, by_id, prep,
+                                                                                  n_prompt, log_line)
             return sse(events, rid, watcher)
         try:
-            text, token_ids, reason = await collect(rid, results)
+            await collect(results, by_id)
         finally:
             watcher.cancel()
+        n_out = sum(len(c.token_ids) for c in choices)
+        log_line[ACCESS_NOTE] = _note(rid, n_prompt, n_out, [c.finish_reason for c in choices])
         if kind == "completion":
-            return P.completion_response(rid, model_name, text, reason, n_prompt, len(token_ids),
-                                         token_ids if prep.return_token_ids else None)
-        return P.chat_response(rid, model_name, text, reason, n_prompt, len(token_ids))
+            return P.completion_response(rid, model_name, [c.completion() for c in choices], n_prompt, n_out)
+        return P.chat_response(rid, model_name, [c.chat() for c in choices], n_prompt, n_out)
 
     async def read_body(raw: Request) -> bytes:
         """The body, refused with 413 as soon as it is known to exceed the limit (from
@@ -289,18 +347,18 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
             raise item
         return item
 
-    async def collect(rid: str, results: asyncio.Queue) -> tuple[str, list[int], str]:
-        """A non-streamed request's whole output (aborted when its client hangs up)."""
-        pieces, token_ids = [], []
+    async def collect(results: asyncio.Queue, by_id: dict[str, Choice]) -> None:
+        """Every choice's whole output (all aborted when the client hangs up or one fails)."""
         try:
-            while True:
+            left = len(by_id)
+            while left:
                 out = await next_output(results)
-                pieces.append(out.text_delta)
-                token_ids.extend(out.new_token_ids)
-                if out.finished:
-                    return "".join(pieces), token_ids, out.finish_reason
+                choice = by_id[out.request_id]
+                choice.take(out)
+                left -= out.finished
         finally:
-            bridge.abort(rid)  # no-op once finished
+            for request_id in by_id:
+                bridge.abort(request_id)  # no-op once finished
 
     def sse(body: AsyncIterator[dict], rid: str, watcher: asyncio.Future) -> StreamingResponse:
         async def events():
@@ -314,51 +372,102 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
-    async def outputs(rid: str, results: asyncio.Queue) -> AsyncIterator[RequestOutput | dict]:
-        """A request's outputs; an error event if the engine fails; abort if the client leaves."""
+    async def outputs(results: asyncio.Queue, by_id: dict[str, Choice]) -> AsyncIterator[tuple[Choice, object]]:
+        """Each output with its choice, until every choice has finished; an error event (a
+        dict) if the engine fails; every choice aborted if the client leaves."""
         try:
-            while True:
+            left = len(by_id)
+            while left:
                 try:
                     out = await next_output(results)
                 except ApiError as exc:
                     if exc.status != 499:
-                        yield exc.body()
+                        yield None, exc.body()
                     return
-                yield out
-                if out.finished:
-                    return
+                choice = by_id[out.request_id]
+                choice.take(out)
+                left -= out.finished
+                yield choice, out
         finally:
-            bridge.abort(rid)
+            for request_id in by_id:
+                bridge.abort(request_id)
 
-    async def completion_stream(rid, results, prompt_tokens, include_usage, show_ids):
-        created, n = int(time.time()), 0
-        async for out in outputs(rid, results):
-            if isinstance(out, dict):
+    async def completion_stream(rid, results, by_id, prep, prompt_tokens, log_line):
+        created = int(time.time())
+        async for choice, out in outputs(results, by_id):
+            if choice is None:
                 yield out
                 return
-            n = out.completion_tokens
-            if out.text_delta or out.finished or show_ids:
-                yield P.completion_chunk(rid, model_name, created, out.text_delta,
-                                         out.finish_reason if out.finished else None,
-                                         out.new_token_ids if show_ids else None)
-        if include_usage:
-            yield P.usage_chunk(rid, model_name, created, "text_completion", prompt_tokens, n)
+            logprobs = None
+            text = out.text_delta
+            if not choice.started:  # echo: the prompt comes first (its logprobs are known by now)
+                choice.started = True
+                text = choice.echo_text() + text
+                if choice.wants_logprobs and prep.echo:
+                    pairs = choice.prompt_logprob_pairs()
+                    logprobs = choice.completion_logprobs(pairs + choice.new_logprobs(len(out.new_token_ids)))
+            if logprobs is None and choice.wants_logprobs:
+                logprobs = choice.completion_logprobs(choice.new_logprobs(len(out.new_token_ids)))
+            if text or out.finished or prep.return_token_ids or (logprobs and logprobs["tokens"]):
+                yield P.completion_chunk(rid, model_name, created, P.completion_choice(
+                    choice.index, text, out.finish_reason if out.finished else None, logprobs,
+                    out.new_token_ids if prep.return_token_ids else None))
+        n_out = sum(len(c.token_ids) for c in by_id.values())
+        log_line[ACCESS_NOTE] = _note(rid, prompt_tokens, n_out, [c.finish_reason for c in by_id.values()])
+        if prep.include_usage:
+            yield P.usage_chunk(rid, model_name, created, "text_completion", prompt_tokens, n_out)
 
-    async def chat_stream(rid, results, prompt_tokens, include_usage):
-        created, n = int(time.time()), 0
-        yield P.chat_chunk(rid, model_name, created, {"role": "assistant", "content": ""}, None)
-        async for out in outputs(rid, results):
-            if isinstance(out, dict):
+    async def chat_stream(rid, results, by_id, prep, prompt_tokens, log_line):
+        created = int(time.time())
+        for choice in by_id.values():
+            yield P.chat_chunk(rid, model_name, created, {"role": "assistant", "content": ""}, None, choice.index)
+        async for choice, out in outputs(results, by_id):
+            if choice is None:
                 yield out
                 return
-            n = out.completion_tokens
-            if out.text_delta or out.finished:
-                delta = {"content": out.text_delta} if out.text_delta else {}
-                yield P.chat_chunk(rid, model_name, created, delta, out.finish_reason if out.finished else None)
-        if include_usage:
-            yield P.usage_chunk(rid, model_name, created, "chat.completion.chunk", prompt_tokens, n)
+            delta = choice.parser.feed(out.text_delta, final=out.finished)
+            logprobs = None
+            if choice.wants_logprobs and out.new_token_ids:
+                logprobs = chat_logprobs(choice.new_logprobs(len(out.new_token_ids)), texts)
+            if delta or out.finished or logprobs:
+                reason = choice.chat_finish_reason(out.finish_reason) if out.finished else None
+                yield P.chat_chunk(rid, model_name, created, delta, reason, choice.index, logprobs)
+        n_out = sum(len(c.token_ids) for c in by_id.values())
+        log_line[ACCESS_NOTE] = _note(rid, prompt_tokens, n_out, [c.finish_reason for c in by_id.values()])
+        if prep.include_usage:
+            yield P.usage_chunk(rid, model_name, created, "chat.completion.chunk", prompt_tokens, n_out)
 
     return app
+
+
+def _note(rid: str, prompt_tokens: int, completion_tokens: int, reasons: list) -> str:
+    """What the access log line says about a generation request."""
+    finish = ",".join(sorted({str(r) for r in reasons}))
+    return f"{rid} prompt_tokens={prompt_tokens} completion_tokens={completion_tokens} finish={finish}"
+
+
+def _tokenizer_info(tokenizer, max_model_len: int) -> dict:
+    """vLLM's ``/tokenizer_info``: the tokenizer's configuration as clients read it."""
+    info = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_model_len,
+            "vocab_size": tokenizer.vocab_size, "chat_template": tokenizer.chat_template}
+    for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+        info[name] = tokenizer.special_token(name)
+    return info
+
+
+class Grammars:
+    """Rank 0's structured-output grammars: ``compile(tag_json)`` -> ``(StructuredOutputs,
+    compiled)``. ``make`` builds the ``StructuredOutputs`` on first use (xgrammar reads the
+    whole vocabulary: seconds for GLM's), in the thread that compiles."""
+
+    def __init__(self, make: Callable[[], object]):
+        self._make, self._so, self._lock = make, None, threading.Lock()
+
+    def compile(self, tag_json: str):
+        with self._lock:
+            if self._so is None:
+                self._so = self._make()
+        return self._so, self._so.compile(tag_json)
 
 
 async def unless_gone(awaitable, gone: asyncio.Event | None):
@@ -391,11 +500,12 @@ def report_hang_up(gone: asyncio.Event | None, results: asyncio.Queue) -> asynci
 # ---- uvicorn in a thread -------------------------------------------------------------------
 class HttpServer:
     """uvicorn on a background thread (signals stay with the main thread, which owns the model),
-    serving the app behind ``ClientWatch``."""
+    serving the app behind ``ClientWatch`` (and ``AccessLog``: one line per request unless
+    ``log_requests`` is off)."""
 
-    def __init__(self, app: FastAPI, host: str, port: int):
+    def __init__(self, app: FastAPI, host: str, port: int, log_requests: bool = True):
         self.host, self.port = host, port
-        self.watch = ClientWatch(app)
+        self.watch = ClientWatch(AccessLog(app, log_requests))
         config = uvicorn.Config(self.watch, host=host, port=port, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=2, lifespan="off")
         self.server = uvicorn.Server(config)

@@ -5,7 +5,7 @@ Names follow vLLM's under this project's prefix (``vllm:num_requests_running`` -
 ``glm_fused:num_requests_running``), every series labelled ``model_name``:
 
 * ``num_requests_running`` / ``num_requests_waiting`` / ``kv_cache_usage_perc`` (gauges;
-  KV usage = slots in use / ``--max-num-seqs``: a sequence takes a whole slot when admitted);
+  KV usage = the fraction of the paged KV cache's blocks held by requests);
 * ``prompt_tokens_total``, ``generation_tokens_total``, ``request_success_total{finished_reason}``;
 * histograms ``time_to_first_token_seconds``, ``request_time_per_output_token_seconds``
   (per request: (last token - first token) / (tokens - 1)), ``e2e_request_latency_seconds``;

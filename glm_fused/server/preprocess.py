@@ -34,45 +34,83 @@ from glm_fused.server import protocol as P
 from glm_fused.server.errors import ApiError, from_validation_errors
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-KINDS = ("completion", "chat")
+KINDS = ("completion", "chat", "tokenize", "detokenize")
 # A lone surrogate can only come from a \uD800-\uDFFF escape (raw UTF-8 cannot encode one).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 @dataclass
 class Prepared:
-    """A validated, tokenized request: what the HTTP side submits and how it answers."""
+    """A validated, tokenized request: what the HTTP side submits and how it answers.
+
+    ``prompts``: token ids of each prompt (completions may send several); each runs ``n``
+    times. ``prompt_texts``: the prompts as text, for ``echo``. Chat: ``tools`` are the
+    request's tools when tool calls are parsed from the answer (None: not parsed),
+    ``tool_mode`` the resolved tool_choice (none, auto, required, named),
+    ``reasoning`` whether the glm45 reasoning parser splits it, ``prompt_tail`` the end of
+    the rendered prompt (where the answer starts), ``grammar`` the xgrammar structural tag
+    (JSON) the answer must follow. ``result``: the whole answer of a tokenizer endpoint.
+    """
 
     kind: str
-    prompt_ids: list[int]
+    prompts: list[list[int]]
     params: SamplingParams
+    n: int = 1
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    echo: bool = False
+    prompt_texts: list[str] | None = None
+    tools: list[dict] | None = None
+    tool_mode: str = "none"
+    reasoning: bool = False
+    prompt_tail: str = ""
+    grammar: str | None = None
+    result: dict | None = None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The one prompt's ids (chat, and single-prompt completions)."""
+        return self.prompts[0]
 
     # Across the worker pipe: a small JSON header and the ids as raw int64 (a long prompt
     # costs a memcpy, not a JSON round trip on the engine's side).
     def to_wire(self) -> tuple[dict, bytes]:
-        header = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "prompt_ids"}
+        header = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "prompts"}
         header["params"] = dataclasses.asdict(self.params)
-        return header, np.asarray(self.prompt_ids, dtype=np.int64).tobytes()
+        header["prompt_lens"] = [len(p) for p in self.prompts]
+        ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in self.prompts]) if self.prompts else \
+            np.zeros(0, np.int64)
+        return header, ids.tobytes()
 
     @classmethod
     def from_wire(cls, header: dict, ids: bytes) -> "Prepared":
         fields = dict(header)
         fields["params"] = SamplingParams(**fields["params"])
-        return cls(prompt_ids=np.frombuffer(ids, dtype=np.int64).tolist(), **fields)
+        flat = np.frombuffer(ids, dtype=np.int64)
+        prompts, at = [], 0
+        for n in fields.pop("prompt_lens"):
+            prompts.append(flat[at:at + n].tolist())
+            at += n
+        return cls(prompts=prompts, **fields)
 
 
 class RequestPreprocessor:
-    """Turns request bodies into ``Prepared`` requests, or raises ``ApiError``."""
+    """Turns request bodies into ``Prepared`` requests, or raises ``ApiError``.
 
-    def __init__(self, *, model_name: str, max_model_len: int, vocab_size: int | None, tokenizer=None):
+    ``options``: the server's flags that shape requests: ``max_logprobs``,
+    ``enable_auto_tool_choice``, ``tool_call_parser`` and ``reasoning_parser`` (``glm45`` or None)."""
+
+    def __init__(self, *, model_name: str, max_model_len: int, vocab_size: int | None, tokenizer=None,
+                 options: dict | None = None):
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
+        self.options = {"max_logprobs": 20, "enable_auto_tool_choice": False, "tool_call_parser": None,
+                        "reasoning_parser": None, **(options or {})}
         self.max_token_chars = longest_token_chars(tokenizer) if tokenizer is not None else None
+        self._structured = None  # made on the first request that needs a grammar
 
     def prepare(self, kind: str, body: bytes) -> Prepared:
         data = parse_json(body)
@@ -81,50 +119,170 @@ class RequestPreprocessor:
             return self.completion(validate(data, P.CompletionRequest))
         if kind == "chat":
             return self.chat(validate(data, P.ChatCompletionRequest))
+        if kind == "tokenize":
+            return self.tokenize(validate(data, P.TokenizeRequest))
+        if kind == "detokenize":
+            return self.detokenize(validate(data, P.DetokenizeRequest))
         raise ValueError(f"unknown request kind {kind!r}")
 
     # ---- the endpoints --------------------------------------------------------------------
     def completion(self, req: P.CompletionRequest) -> Prepared:
         self._check_model(req.model)
-        req.check()
-        prompt = req.single_prompt()
+        req.check(self.options["max_logprobs"])
+        prompts = req.prompts()
+        logprobs = req.logprobs
         req.sampling_params(1)  # parameters in range before any costly work
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ApiError(400, "this server has no tokenizer (dummy weights from a bare config): "
-                                    "send prompt as a list of token ids", param="prompt")
-            self._check_text_fits(len(prompt), "prompt")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            ids = prompt
-        params = req.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
-        self._check_fits(ids, params, "prompt", req.max_tokens is not None)
+        single = len(prompts) == 1
+        ids_list, texts = [], []
+        for i, prompt in enumerate(prompts):
+            param = "prompt" if single else f"prompt.{i}"
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ApiError(400, "this server has no tokenizer (dummy weights from a bare config): "
+                                        "send prompt as a list of token ids", param="prompt")
+                self._check_text_fits(len(prompt), param)
+                ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            else:
+                ids = prompt
+            ids_list.append(list(ids))
+            texts.append(prompt if isinstance(prompt, str) else
+                         self.tokenizer.decode(prompt, skip_special_tokens=False) if req.echo and self.tokenizer
+                         else "")
+        params = req.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS, logprobs=logprobs,
+                                     prompt_logprobs=logprobs if req.echo else None)
+        for i, ids in enumerate(ids_list):
+            self._check_fits(ids, params, "prompt" if single else f"prompt.{i}", req.max_tokens is not None)
         if req.max_tokens is None:
-            params.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+            params.max_tokens = max(1, min(params.max_tokens, self.max_model_len - max(map(len, ids_list))))
+            params.min_tokens = min(params.min_tokens, params.max_tokens)
         if self.tokenizer is None and params.stop:
             raise ApiError(400, "stop strings need a tokenizer; this server has none (use stop_token_ids)",
                            param="stop")
-        return Prepared("completion", list(ids), params, stream=req.stream, include_usage=req.include_usage,
-                        return_token_ids=req.return_token_ids or self.tokenizer is None)
+        self._check_bias(params)
+        return Prepared("completion", ids_list, params, n=req.n, stream=req.stream, include_usage=req.include_usage,
+                        return_token_ids=req.return_token_ids or self.tokenizer is None, echo=req.echo,
+                        prompt_texts=texts if req.echo else None)
 
     def chat(self, req: P.ChatCompletionRequest) -> Prepared:
+        from glm_fused.server import chat as C
+        from glm_fused.server.reasoning import ASSISTANT, CONTENT, start_state
+
         self._check_model(req.model)
-        req.check()
+        req.check(self.options["max_logprobs"])
         if self.tokenizer is None or not self.tokenizer.has_chat_template:
             raise ApiError(400, "this server has no tokenizer with a chat template; use /v1/completions",
                            param="messages")
         req.sampling_params(1)
         self._check_text_fits(req.text_chars(), "messages")
         try:
-            text = self.tokenizer.apply_chat_template(req.message_dicts(), add_generation_prompt=True,
-                                                      enable_thinking=req.enable_thinking, **req.template_kwargs())
+            tools = C.check_tools(req.tools)
+            mode, name = C.resolve_tool_choice(req.tool_choice, tools)
+            if mode == "auto" and tools and not (self.options["enable_auto_tool_choice"]
+                                                 and self.options["tool_call_parser"]):
+                raise InvalidParam("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
+                                                  '--tool-call-parser to be set')
+            messages = C.prepare_messages(req.message_dicts())
+        except InvalidParam as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      enable_thinking=req.enable_thinking, tools=tools or None,
+                                                      **req.template_kwargs())
         except UserError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         self._check_text_fits(len(text), "messages")
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        params = req.sampling_params(max(1, self.max_model_len - len(ids)))
+        params = req.sampling_params(max(1, self.max_model_len - len(ids)), logprobs=req.num_logprobs)
         self._check_fits(ids, params, "messages", req.max_tokens is not None)
-        return Prepared("chat", ids, params, stream=req.stream, include_usage=req.include_usage)
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
+        self._check_bias(params)
+        tail = text.rsplit(ASSISTANT, 1)[-1] if ASSISTANT in text else text[-64:]
+        grammar = self._grammar(req, tools, mode, name, thinking=start_state(text) != CONTENT)
+        parse_tools = mode in ("required", "named") or (mode == "auto" and bool(tools))
+        return Prepared("chat", [ids], params, n=req.n, stream=req.stream, include_usage=req.include_usage,
+                        tools=tools if parse_tools else None, tool_mode=mode, reasoning=self.options["reasoning_parser"] == "glm45",
+                        prompt_tail=tail, grammar=grammar)
+
+    def tokenize(self, req: P.TokenizeRequest) -> Prepared:
+        """vLLM's ``/tokenize`` answer: ``{count, max_model_len, tokens, token_strs}``."""
+        from glm_fused.server import chat as C
+
+        self._check_model(req.model)
+        if self.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer (dummy weights from a bare config)")
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give either prompt or messages", param="prompt")
+        if req.prompt is not None:
+            self._check_text_fits(len(req.prompt), "prompt")
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens in (None, True))
+        else:
+            if not self.tokenizer.has_chat_template:
+                raise ApiError(400, "this server's tokenizer has no chat template", param="messages")
+            try:
+                tools = C.check_tools(req.tools)
+                messages = C.prepare_messages([m.model_dump(exclude_none=True) for m in req.messages])
+                kwargs = dict(req.chat_template_kwargs or {})
+                bad = sorted(set(kwargs) & P.RESERVED_TEMPLATE_KWARGS)
+                if bad:
+                    raise InvalidParam(f"chat_template_kwargs.{bad[0]}", f"chat_template_kwargs.{bad[0]}: the "
+                                                                         "server sets this template variable itself")
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                          tools=tools or None, **kwargs)
+            except InvalidParam as exc:
+                raise ApiError(400, str(exc), param=exc.param) from None
+            except UserError as exc:
+                raise ApiError(400, str(exc), param="messages") from None
+            self._check_text_fits(len(text), "messages")
+            ids = self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        strs = [self.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+        return Prepared("tokenize", [], SamplingParams(), result={
+            "count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs})
+
+    def detokenize(self, req: P.DetokenizeRequest) -> Prepared:
+        self._check_model(req.model)
+        if self.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer (dummy weights from a bare config)")
+        if self.vocab_size is not None:
+            bad = [t for t in req.tokens if not 0 <= t < self.vocab_size][:1]
+            if bad:
+                raise ApiError(400, f"tokens has token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})",
+                               param="tokens")
+        return Prepared("detokenize", [], SamplingParams(),
+                        result={"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+    # ---- structured output ----------------------------------------------------------------
+    def _grammar(self, req: P.ChatCompletionRequest, tools: list[dict], mode: str, name: str | None,
+                 thinking: bool) -> str | None:
+        """The structural tag (JSON) the answer must follow, checked by compiling it here (a
+        schema xgrammar cannot enforce is a 400 from this worker), or None."""
+        fmt = req.response_format
+        forced = mode in ("required", "named")
+        if not forced and (fmt or {}).get("type", "text") == "text":
+            return None
+        param = "tool_choice" if forced else "response_format"
+        try:
+            from glm_fused.engine.structured import request_format
+
+            so = self.structured()
+            tag = request_format(response_format=fmt, tools=tools, tool_mode=mode, tool_name=name,
+                                 parallel_tool_calls=req.parallel_tool_calls, thinking=thinking)
+            if tag is None:
+                return None
+            so.compile(tag, param)
+        except InvalidParam as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        except UserError as exc:
+            raise ApiError(400, f"{param}: {exc}", param=param) from None
+        return tag.model_dump_json()
+
+    def structured(self):
+        """The tokenizer's ``StructuredOutputs`` (made once; ``UserError`` without xgrammar)."""
+        if self._structured is None:
+            from glm_fused.engine.structured import StructuredOutputs
+
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size or self.tokenizer.vocab_size,
+                                                 self.tokenizer.eos_token_ids)
+        return self._structured
 
     # ---- checks ---------------------------------------------------------------------------
     def _check_model(self, name: str | None) -> None:
@@ -134,12 +292,13 @@ class RequestPreprocessor:
 
     def _check_ids_fit(self, prompt: Any) -> None:
         """Refuse a token-id prompt longer than the context before validating every id."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-            prompt = prompt[0]
-        if isinstance(prompt, list) and len(prompt) >= self.max_model_len and not isinstance(prompt[0], str):
-            raise ApiError(400, f"prompt has {len(prompt)} tokens; this server's context limit (--max-model-len) "
-                                f"is {self.max_model_len}, leaving no room to generate",
-                           param="prompt", code="context_length_exceeded")
+        many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], list)
+        for i, ids in enumerate(prompt if many else [prompt]):
+            if isinstance(ids, list) and len(ids) >= self.max_model_len and not isinstance(ids[0], str):
+                param = f"prompt.{i}" if many and len(prompt) > 1 else "prompt"
+                raise ApiError(400, f"{param} has {len(ids)} tokens; this server's context limit (--max-model-len) "
+                                    f"is {self.max_model_len}, leaving no room to generate",
+                               param=param, code="context_length_exceeded")
 
     def _check_text_fits(self, chars: int, param: str) -> None:
         """Refuse text that needs more tokens than the context holds, before tokenizing it."""
@@ -150,6 +309,12 @@ class RequestPreprocessor:
             raise ApiError(400, f"{param} has {chars} characters, at least {at_least} tokens; this server's "
                                 f"context limit (--max-model-len) is {self.max_model_len} tokens",
                            param=param, code="context_length_exceeded")
+
+    def _check_bias(self, params: SamplingParams) -> None:
+        bad = [t for t in params.logit_bias if self.vocab_size is not None and t >= self.vocab_size][:1]
+        if bad:
+            raise ApiError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                           param="logit_bias")
 
     def _check_fits(self, ids: list[int], params: SamplingParams, param: str, max_tokens_given: bool) -> None:
         try:

@@ -50,15 +50,17 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def make_preprocessor(config: dict) -> RequestPreprocessor:
-    """The preprocessor a worker runs; ``config``: model_name, max_model_len, vocab_size, and
-    tokenizer_dir (None: token-id prompts only)."""
+    """The preprocessor a worker runs; ``config``: model_name, max_model_len, vocab_size,
+    tokenizer_dir (None: token-id prompts only), chat_template (a file replacing the
+    checkpoint's, or None) and options (``RequestPreprocessor``'s)."""
     tokenizer = None
     if config.get("tokenizer_dir"):
         from glm_fused.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer(config["tokenizer_dir"])
+        tokenizer = Tokenizer(config["tokenizer_dir"], chat_template=config.get("chat_template"))
     return RequestPreprocessor(model_name=config["model_name"], max_model_len=config["max_model_len"],
-                               vocab_size=config.get("vocab_size"), tokenizer=tokenizer)
+                               vocab_size=config.get("vocab_size"), tokenizer=tokenizer,
+                               options=config.get("options"))
 
 
 # ---- frames ------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ Requests are validated with pydantic in strict mode: a JSON string or boolean is
 taken for a number (``max_tokens: "10"``, ``stream: "yes"``, ``prompt: [true]`` are refused),
 while an integer is accepted where a float is expected. Responses are plain dicts in OpenAI's
 layout (the official client reads them as-is). Unknown extra fields are accepted and
-ignored, as vLLM does; fields this server cannot honour are refused with 400 naming the field.
-Requests are validated in the preprocessing workers (``glm_fused.server.preprocess``).
+ignored, as vLLM does; every declared field is honoured, or refused with 400 naming it
+(``REFUSED``, and values this server cannot serve). Requests are validated in the
+preprocessing workers (``glm_fused.server.preprocess``).
 """
 
 from __future__ import annotations
@@ -20,12 +21,22 @@ from glm_fused.engine.sampling import InvalidParam, SamplingParams
 from glm_fused.server.errors import ApiError
 
 # Variables the server itself gives the chat template; a request may not set them through
-# chat_template_kwargs (tools would slip past the refusal of tool calling, messages would
-# replace the conversation, add_generation_prompt would end the prompt differently).
+# chat_template_kwargs (tools belong in `tools`, messages would replace the conversation,
+# add_generation_prompt would end the prompt differently).
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template",
     "tokenize", "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception", "strftime_now"})
 MAX_STOP_CHARS = 1024  # per stop string: each generated token is matched against every one
+MAX_CHOICES = 1024     # prompts x n in one request
+# OpenAI fields this server does not serve: refused by name rather than ignored.
+REFUSED = {
+    "functions": "the deprecated `functions` is not supported; use `tools`",
+    "function_call": "the deprecated `function_call` is not supported; use `tool_choice`",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "suffix": "suffix (insertion) is not supported",
+}
 
 
 class StreamOptions(BaseModel):
@@ -35,7 +46,9 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    """Fields both endpoints share (OpenAI names; top_k, seed, ignore_eos as vLLM has them)."""
+    """Fields both endpoints share (OpenAI's names; top_k, min_p, repetition_penalty,
+    min_tokens, seed, ignore_eos, stop_token_ids, skip_special_tokens and
+    include_stop_str_in_output as vLLM has them)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -44,6 +57,7 @@ class _Common(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -51,32 +65,44 @@ class _Common(BaseModel):
     stop_token_ids: Optional[list[int]] = None
     seed: Optional[int] = None
     ignore_eos: bool = False
+    min_tokens: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: Optional[str] = None  # an end-user id for the caller's own records: accepted, not used
 
-    def _refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise ApiError(400, f"n={self.n}: only n=1 is supported", param="n")
-        if self.presence_penalty:
-            raise ApiError(400, "presence_penalty is not supported (use 0)", param="presence_penalty")
-        if self.frequency_penalty:
-            raise ApiError(400, "frequency_penalty is not supported (use 0)", param="frequency_penalty")
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    def _check_common(self) -> None:
+        for name, why in REFUSED.items():
+            value = (self.model_extra or {}).get(name, getattr(self, name, None))
+            if value is not None:
+                raise ApiError(400, why, param=name)
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ApiError(400, f"n must be in 1..{MAX_CHOICES}, got {self.n}", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         for i, s in enumerate([self.stop] if isinstance(self.stop, str) else self.stop or []):
             if len(s) > MAX_STOP_CHARS:
                 raise ApiError(400, f"stop strings are limited to {MAX_STOP_CHARS} characters; this one has {len(s)}",
                                param="stop" if isinstance(self.stop, str) else f"stop.{i}")
+        for key in self.logit_bias or {}:
+            if not key.strip().lstrip("-").isdigit():
+                raise ApiError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        self._refuse_unsupported()
+    def sampling_params(self, default_max_tokens: int, *, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos)
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+                stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens, repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output)
         except InvalidParam as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
 
@@ -93,32 +119,33 @@ class CompletionRequest(_Common):
     suffix: Optional[str] = None
     return_token_ids: bool = False
 
-    def check(self) -> None:
-        if self.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
-        if self.logprobs:
-            raise ApiError(400, "logprobs is not supported", param="logprobs")
+    def check(self, max_logprobs: int) -> None:
+        self._check_common()
         if self.best_of not in (None, 1):
-            raise ApiError(400, f"best_of={self.best_of}: only 1 is supported", param="best_of")
-        if self.suffix:
-            raise ApiError(400, "suffix is not supported", param="suffix")
+            raise ApiError(400, f"best_of={self.best_of}: only 1 is supported (use n for several choices)",
+                           param="best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            raise ApiError(400, f"logprobs must be in 0..{max_logprobs} (--max-logprobs), got {self.logprobs}",
+                           param="logprobs")
 
-    def single_prompt(self) -> Union[str, list[int]]:
-        """The one prompt: text or token ids (a batch of prompts is refused)."""
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """Every prompt: text, or token ids."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ApiError(400, f"prompt holds {len(p)} prompts; send one prompt per request", param="prompt")
-            p = p[0]
-        if isinstance(p, list) and not p or p == "":
-            raise ApiError(400, "prompt is empty", param="prompt")
-        return p
+        prompts = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n={self.n} exceeds {MAX_CHOICES} choices per request",
+                           param="prompt")
+        for i, one in enumerate(prompts):
+            if (isinstance(one, list) and not one) or one == "":
+                raise ApiError(400, "prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty",
+                               param="prompt" if len(prompts) == 1 else f"prompt.{i}")
+        return prompts
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
-    role: Literal["system", "user", "assistant", "tool", "observation"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "observation"]
     content: Optional[Union[str, list[dict[str, Any]]]] = None
 
 
@@ -128,19 +155,24 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Any] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: bool = True
     response_format: Optional[dict[str, Any]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    modalities: Optional[list[str]] = None
 
-    def check(self) -> None:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
+    def check(self, max_logprobs: int) -> None:
+        self._check_common()
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins, as in vLLM
             self.max_tokens = self.max_completion_tokens
-        if self.logprobs or self.top_logprobs:
-            raise ApiError(400, "logprobs is not supported", param="logprobs")
-        if self.tools or self.tool_choice not in (None, "none", "auto"):
-            raise ApiError(400, "tool calling is not supported by this server", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ApiError(400, "only response_format type 'text' is supported", param="response_format")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= max_logprobs:
+                raise ApiError(400, f"top_logprobs must be in 0..{max_logprobs} (--max-logprobs), "
+                                    f"got {self.top_logprobs}", param="top_logprobs")
+        if self.modalities not in (None, ["text"]):
+            raise ApiError(400, "only the text modality is supported", param="modalities")
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list):
                 for j, part in enumerate(m.content):
@@ -153,12 +185,17 @@ class ChatCompletionRequest(_Common):
         kwargs = self.chat_template_kwargs or {}
         for key in kwargs:
             if key in RESERVED_TEMPLATE_KWARGS:
-                what = "tool calling is not supported by this server" if key in ("tools", "documents") else \
+                what = "pass tools in the request's `tools`" if key in ("tools", "documents") else \
                     "the server sets this template variable itself"
                 raise ApiError(400, f"chat_template_kwargs.{key}: {what}", param=f"chat_template_kwargs.{key}")
         if not isinstance(kwargs.get("enable_thinking", True), bool):
             raise ApiError(400, "chat_template_kwargs.enable_thinking must be true or false",
                            param="chat_template_kwargs.enable_thinking")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many top logprobs per token (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def text_chars(self) -> int:
         """Characters of text in the messages (a lower bound of the rendered prompt's)."""
@@ -182,6 +219,28 @@ class ChatCompletionRequest(_Common):
         return {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "enable_thinking"}
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: ``prompt`` (text), or ``messages`` rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    tools: Optional[list[dict[str, Any]]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
 # ---- responses ---------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -192,34 +251,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
-                        completion_tokens: int, token_ids: list[int] | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
+                      token_ids: list[int] | None = None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
+    return choice
+
+
+def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                     token_ids: list[int] | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
+def completion_chunk(rid: str, model: str, created: int, choice: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
-                  completion_tokens: int) -> dict:
+def chat_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None, index: int = 0,
+               logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:

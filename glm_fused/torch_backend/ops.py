@@ -48,6 +48,16 @@ def counter_uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return (_shr(x, 11).double() + 0.5) / float(1 << 53)
 
 
+def _on(array: np.ndarray, device) -> torch.Tensor:
+    """A small host array on ``device`` without waiting for the device's queue: through
+    page-locked memory (torch's caching host allocator keeps the block until the copy is done),
+    since a copy from pageable memory would wait for the step in flight."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class TorchOps(Ops):
     name = "torch"
     Module = nn.Module
@@ -246,44 +256,88 @@ class TorchOps(Ops):
     def sample(self, logits, sampling):
         """The rule of ``glm_fused.engine.sampling`` on the logits' device; no host sync.
 
-        Greedy rows take the argmax; the others Gumbel-max over the top-k / top-p survivors,
-        with the same counter-based uniforms as the host (float64, so a draw matches the
-        host's except at float ties of the top-p boundary).
+        Rules 1-4 (grammar mask, min_tokens, logit_bias, penalties) and the draw run in
+        float64 with the same operations as the host reference, so a draw matches the host's
+        except at float ties (top-p and min_p boundaries). Greedy rows take the argmax; the
+        others Gumbel-max over the min_p / top-k / top-p survivors, with the same
+        counter-based uniforms as the host.
         """
         x = logits.float()
+        if sampling.plain and sampling.all_greedy:
+            return x.argmax(-1)
+        dev, V = x.device, x.shape[-1]
+        x = x.double() if sampling.plain else self._processed(x, sampling)
         greedy = x.argmax(-1)
         if sampling.all_greedy:
             return greedy
-        V = x.shape[-1]
-        temp = self.upload(sampling.temperature, x)
-        xs = x.double() / torch.where(temp > 0, temp, 1.0).double()[:, None]
+        temp = _on(sampling.temperature, dev)
+        xs = x / torch.where(temp > 0, temp, 1.0).double()[:, None]
+        if (sampling.min_p > 0).any():
+            min_p = _on(sampling.min_p, dev).double()[:, None]
+            xs = torch.where((min_p > 0) & (torch.exp(xs - xs.max(-1, keepdim=True).values) < min_p),
+                             float("-inf"), xs)
         if (sampling.top_k > 0).any():
             K = min(int(sampling.top_k.max()), V)
-            kth = xs.topk(K, dim=-1).values.gather(1, self.upload(np.clip(sampling.top_k, 1, K) - 1, x)[:, None])
-            on = self.upload((sampling.top_k > 0) & (sampling.top_k < V), x)[:, None]
+            kth = xs.topk(K, dim=-1).values.gather(1, _on(np.clip(sampling.top_k, 1, K) - 1, dev)[:, None])
+            on = _on((sampling.top_k > 0) & (sampling.top_k < V), dev)[:, None]
             xs = torch.where(on & (xs < kth), float("-inf"), xs)
         if (sampling.top_p < 1).any():
-            top_p = self.upload(sampling.top_p.astype(np.float64), x)[:, None]
+            top_p = _on(sampling.top_p, dev).double()[:, None]
             ordered = xs.sort(dim=-1, descending=True).values
             probs = torch.softmax(ordered, dim=-1)
             # Keep tokens while the mass BEFORE them is below top_p: the first always stays.
             kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True)
             last = ordered.gather(1, kept - 1)
             xs = torch.where((top_p < 1) & (xs < last), float("-inf"), xs)
-        g = -torch.log(-torch.log(counter_uniforms(self.upload(sampling.keys, x), V)))
+        g = -torch.log(-torch.log(counter_uniforms(_on(sampling.keys, dev), V)))
         return torch.where(temp > 0, (xs + g).argmax(-1), greedy)
+
+    @staticmethod
+    def _processed(x, sampling):
+        """Rules 1-4 of the sampling rule, float64 ``[rows, vocab]`` (see ``SamplingBatch.processed_logits``)."""
+        dev, V = x.device, x.shape[-1]
+        x = x.double()
+        if len(sampling.mask_rows):
+            words = _on(sampling.masks, dev)  # int32 [M, W]; token t is bit t % 32 of word t // 32
+            bits = (words.unsqueeze(-1) >> torch.arange(32, device=dev, dtype=torch.int32)) & 1
+            allowed = bits.reshape(len(words), -1)[:, :V].bool()
+            if allowed.shape[1] < V:
+                allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
+            rows = _on(sampling.mask_rows, dev)
+            x[rows] = torch.where(allowed, x[rows], float("-inf"))
+        if len(sampling.ban_rows):
+            x[_on(sampling.ban_rows, dev), _on(sampling.ban_tokens, dev)] = float("-inf")
+        if len(sampling.bias_rows):
+            r, t = _on(sampling.bias_rows, dev), _on(sampling.bias_tokens, dev)
+            x[r, t] = x[r, t] + _on(sampling.bias_values, dev)
+        if len(sampling.hist_rows):
+            r, t, c = _on(sampling.hist_rows, dev), _on(sampling.hist_tokens, dev), _on(sampling.hist_counts, dev)
+            v = x[r, t]
+            rep = _on(sampling.repetition, dev).double()[r]
+            v = torch.where(v > 0, v / rep, v * rep)
+            v = v - _on(sampling.frequency, dev).double()[r] * c - _on(sampling.presence, dev).double()[r] * (c > 0)
+            x[r, t] = v
+        return x
+
+    def logprobs(self, logits, targets, n):
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, targets.long()[:, None])[:, 0]
+        if n <= 0:
+            return chosen, lp.new_zeros((len(lp), 0), dtype=torch.int64), lp.new_zeros((len(lp), 0))
+        values, ids = lp.topk(min(n, lp.shape[-1]), dim=-1)
+        return chosen, ids, values
 
     def upload(self, array, like):
         if like is None or like.device.type != "cuda":
             return self.tensor(array, like)
-        # Through page-locked memory (torch's caching host allocator keeps the block until the
-        # copy is done), so the host never waits for the step running on the device.
-        return torch.from_numpy(np.ascontiguousarray(array)).pin_memory().to(like.device, non_blocking=True)
+        return _on(array, like.device)
 
     def to_host_async(self, x, staging=None):
         """Copy ``x`` into pinned ``staging`` without waiting; the callable waits for the copy only."""
-        if x.device.type != "cuda" or staging is None:
+        if x.device.type != "cuda":
             return super().to_host_async(x)
+        if staging is None:  # a buffer of its own (the caching host allocator keeps them)
+            staging = torch.empty(x.numel(), dtype=x.dtype, pin_memory=True)
         host = staging[: x.numel()].view(x.shape)
         host.copy_(x, non_blocking=True)
         done = torch.cuda.Event()
