@@ -17,11 +17,13 @@ import numpy as np
 
 from glm_fused.errors import UserError
 
-# bf16 is read as its raw 16 bits and widened to fp32 exactly (it is fp32's top half).
+# bf16 is read as its raw 16 bits and widened to fp32 exactly (it is fp32's top half); fp8 e4m3
+# stays its raw 8 bits (numpy has no fp8): its value needs the scale beside it
+# (glm_fused.quantization decodes both together).
 _NUMPY_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
+    "BOOL": np.bool_, "F8_E4M3": np.uint8,
 }
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 _MAX_HEADER = 100 * 1024 * 1024
@@ -78,7 +80,8 @@ class SafetensorsFile:
         return self._entries[name][0]
 
     def read(self, name: str, index: tuple | None = None, float32: bool = True) -> np.ndarray:
-        """Copy out ``tensor[index]`` only; floats widened to float32 when ``float32``.
+        """Copy out ``tensor[index]`` only; floats widened to float32 when ``float32`` (fp8 e4m3
+        comes back as its uint8 codes).
 
         The map covers this one tensor and is dropped right after the copy, so the file
         pages a rank touched do not stay counted in its memory for the rest of the load.
