@@ -47,6 +47,7 @@ class Rank:
     def info(self) -> dict:
         a, runner = self.args, self.runner
         return {"backend": a.backend, "device": a.device, "tp": self.world, "dtype": a.dtype,
+                "weights": runner.weights(),
                 "layout": "fused" if a.fused else "unfused", "fusion": runner.fusion_impl(),
                 "decode": runner.decode_mode(),
                 "max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len,
@@ -75,7 +76,7 @@ class Rank:
                 fusion = "reference (all-reduce + add + RMSNorm" + (f"; {why})" if why else ")")
         kv = self.kv_cache_bytes()
         return (f"backend={a.backend} device={a.device} tp={self.world} dtype={a.dtype} "
-                f"layout={'fused' if a.fused else 'unfused'} fusion={fusion}; "
+                f"weights={runner.weights()} layout={'fused' if a.fused else 'unfused'} fusion={fusion}; "
                 f"KV cache {a.max_num_seqs} slots x {a.max_model_len} tokens = {kv / 2**20:.1f} MiB per rank; "
                 f"max {a.max_num_batched_tokens} tokens per step; decode {runner.decode_mode()}")
 

@@ -94,6 +94,16 @@ class PaddleOps(Ops):
         # float32 host array -> device, then the cast (numpy has no bfloat16).
         param.set_value(paddle.to_tensor(array, dtype="float32").astype(param.dtype))
 
+    def copy_codes(self, param, codes: np.ndarray) -> None:
+        param.set_value(paddle.to_tensor(codes).view(paddle.float8_e4m3fn))
+
+    def assign(self, dst, src) -> None:
+        dst.set_value(src.astype(dst.dtype))
+
+    def keeps_fp8(self) -> bool:
+        # No fp8 kernels of this project in Paddle: fp8 checkpoints load dequantized.
+        return False
+
     def fill(self, param, value: float) -> None:
         param.set_value(paddle.full(param.shape, value, dtype=param.dtype))
 
@@ -124,6 +134,15 @@ class PaddleOps(Ops):
 
     def rsqrt(self, x):
         return paddle.rsqrt(x)
+
+    def abs(self, x):
+        return paddle.abs(x)
+
+    def amax(self, x, dim):
+        return x.max(axis=dim)
+
+    def clamp(self, x, min=None, max=None):
+        return paddle.clip(x, min, max)
 
     def mean(self, x, dim, keepdim=False):
         return x.mean(axis=dim, keepdim=keepdim)

@@ -22,7 +22,8 @@ from glm_fused.model.ops import Ops, Routing
 from glm_fused.torch_backend import dist, kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
-          "int32": torch.int32, "bool": torch.bool}
+          "int32": torch.int32, "bool": torch.bool, "float8_e4m3fn": torch.float8_e4m3fn}
+FP8_MIN_SM = 89  # fp8 tensor cores (Ada, Hopper and later): where _scaled_mm and fp8 tl.dot run
 
 
 def _int64(c: int) -> int:
@@ -112,6 +113,20 @@ class TorchOps(Ops):
     def copy_into(self, param, array: np.ndarray) -> None:
         param.copy_(torch.from_numpy(array))
 
+    def copy_codes(self, param, codes: np.ndarray) -> None:
+        param.view(torch.uint8).copy_(torch.from_numpy(codes))
+
+    def assign(self, dst, src) -> None:
+        dst.copy_(src)
+
+    def keeps_fp8(self) -> bool:
+        """fp8 weights where the fp8 kernels run: a CUDA device with fp8 tensor cores (or Triton's
+        CPU interpreter, for tests); elsewhere the model holds them dequantized."""
+        if kernels.interpreting():
+            return True
+        device = torch.get_default_device()
+        return device.type == "cuda" and kernels.triton_available() and self.gpu_sm(device) >= FP8_MIN_SM
+
     def fill(self, param, value: float) -> None:
         param.fill_(value)
 
@@ -135,6 +150,15 @@ class TorchOps(Ops):
 
     def rsqrt(self, x):
         return torch.rsqrt(x)
+
+    def abs(self, x):
+        return x.abs()
+
+    def amax(self, x, dim):
+        return x.amax(dim)
+
+    def clamp(self, x, min=None, max=None):
+        return x.clamp(min, max)
 
     def mean(self, x, dim, keepdim=False):
         return x.mean(dim, keepdim=keepdim)
