@@ -272,6 +272,7 @@ def validate(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard) -> dict[st
     """Check names, shapes and (fp8) dtypes against the config before any tensor is read."""
     params, full = load_plan(config, shard, ckpt.names)
     scheme = q8.parse(config.quantization_config)
+    fp8_parameters(config, scheme)  # one matmul is all fp8 or all float
     reads = {r.name: r for p in params.values() for r in p.parts}
     scales = {r.scale.name: r.name for r in reads.values() if r.scale is not None}
 
@@ -299,13 +300,6 @@ def validate(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard) -> dict[st
         if name in scales and ckpt.dtype(name) not in q8.SCALE_DTYPES:
             raise UserError(f"{ckpt.file_of(name)}: fp8 scale {name!r} is {ckpt.dtype(name)}, expected one of "
                             f"{', '.join(q8.SCALE_DTYPES)}")
-    for name, p in params.items():  # one parameter is all fp8 or all float (one scale layout per matmul)
-        kinds = {r.scale is not None for r in p.parts}
-        if len(kinds) > 1:
-            a = next(r.name for r in p.parts if r.scale is not None)
-            b = next(r.name for r in p.parts if r.scale is None)
-            raise UserError(f"{ckpt.dir}: {a!r} is quantized but {b!r} is not; they form one matmul "
-                            f"({name}) and must be quantized alike (check quantization_config's ignore list)")
     unexpected = sorted(n for n in ckpt.names if n not in full and not _is_mtp(n, config))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""

@@ -88,7 +88,7 @@ class Fp8Scheme:
     def describe(self) -> str:
         scales = "one scale per output row" if self.block is None else f"{self.block[0]}x{self.block[1]} block scales"
         where = {"compressed-tensors": "compressed-tensors checkpoint", "fp8": "block-fp8 checkpoint",
-                 "online": "quantized at load from the checkpoint's weights"}[self.source]
+                 "online": "quantized at load"}[self.source]
         return f"fp8 e4m3 ({scales}, {where})"
 
 

@@ -28,7 +28,7 @@ def load_weights(model, model_dir: str | Path, progress: bool = True) -> None:
             return
         F.copy_into(params[name], value)
         if round_trip and name in model.quantized:
-            F.assign(params[name], F.dequantize_fp8(F.quantize_fp8(params[name]), F.dtype_name(params[name])))
+            _round_through_fp8(F, params[name])
 
     with F.no_grad():
         load_rank_weights(model_dir, model.config, model.shard, {n: tuple(p.shape) for n, p in params.items()},
@@ -43,6 +43,10 @@ def _assign_fp8(F, weight, scale, value) -> None:
     _quantize_into(F, weight, scale, lambda i: F.tensor(value if i is None else value[i], like=scale))
 
 
+def _round_through_fp8(F, param) -> None:
+    F.assign(param, F.dequantize_fp8(F.quantize_fp8(param), F.dtype_name(param)))
+
+
 def _quantize_into(F, weight, scale, source) -> None:
     """Fill an fp8 weight and its row scales with ``quantize_fp8(source(i))``, one expert ``i`` at
     a time for stacked experts (``i`` None: the whole weight), so the float temporary stays small."""
@@ -54,7 +58,8 @@ def _quantize_into(F, weight, scale, source) -> None:
 
 def dummy_weights(model, seed: int = 0) -> None:
     """Random weights at the real sizes (``--load-format dummy``): N(0, 0.02), norms ones; an
-    fp8 weight is such a draw quantized per row (one expert at a time).
+    fp8 weight is such a draw quantized per row (one expert at a time; where the model holds
+    fp8 weights dequantized, the draw rounded through fp8).
 
     Deterministic per (seed, parameter, rank). Router parameters are replicated, so they are
     drawn without the rank: every rank must route a token to the same experts.
@@ -74,6 +79,8 @@ def dummy_weights(model, seed: int = 0) -> None:
             owner = "all" if kind == "router" else model.shard.rank
             if name not in model.fp8_params:
                 F.fill_normal(param, 0.02, f"{seed}:{name}:{owner}")
+                if name in model.quantized:  # fp8 by the scheme, held dequantized: the values fp8 holds
+                    _round_through_fp8(F, param)
                 continue
             scale = params[scale_parameter(name)]
 

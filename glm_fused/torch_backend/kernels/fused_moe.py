@@ -15,6 +15,12 @@ For T tokens with top-k experts each there are N = T * k (token, expert) pairs; 
 
 Each expert's weights are read once per BLOCK_M tokens routed to it - once in total at
 decode sizes - which is what the memory floor counts.
+
+fp8 weights (e4m3 codes with one float32 scale per weight row): the GEMMs multiply in fp8.
+Each program quantizes its own rows of the activation per row as it loads them (``x`` per
+token in ``gate_up``, ``h`` per pair in ``down``; a first pass over K finds the row's
+largest magnitude), so no separate quantization launch runs; the fp32 products are scaled by
+the row's activation scale and each output column's weight scale once, after the K loop.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import triton
 import triton.language as tl
 
 from glm_fused.torch_backend.kernels import dot_precision, next_pow2
+from glm_fused.torch_backend.kernels.fp8 import to_fp8, token_scale
 
 CHUNK = 64  # pairs per program in the align kernels
 
@@ -228,10 +235,31 @@ def _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, sh_ptr, h_ptr, sorted_ptr, block_expert_ptr, N, K, I, num_m, shared_id,
-                    stride_x, stride_we, stride_wn, stride_h, TOP_K: tl.constexpr,
+def _row_scales(a_ptrs, mask, K, BLOCK_K: tl.constexpr):
+    """Per-row fp8 scales of the activation rows at ``a_ptrs`` (first BLOCK_K columns; ``mask``
+    the rows'): a pass over K for each row's largest magnitude."""
+    kk = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([a_ptrs.shape[0]], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs + k0, mask=mask[:, None] & (kk < K - k0)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
+    return token_scale(amax)
+
+
+@triton.jit
+def _dot(a, b, acc, a_scale, FP8: tl.constexpr, PREC: tl.constexpr):
+    """``acc + a @ b``; fp8: ``a`` quantized with its row scales and multiplied in e4m3 (the
+    scales are applied to ``acc`` after the K loop)."""
+    if FP8:
+        return tl.dot(to_fp8(a.to(tl.float32), a_scale[:, None]), b, acc)
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, h_ptr, sorted_ptr, block_expert_ptr, N, K, I, num_m,
+                    shared_id, stride_x, stride_we, stride_wn, stride_se, stride_h, TOP_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    PREC: tl.constexpr):
+                    PREC: tl.constexpr, FP8: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, pair, valid = _block_rows(block_expert_ptr, sorted_ptr, pid_m, N, BLOCK_M)
     if e < 0:
@@ -244,6 +272,9 @@ def _gate_up_kernel(x_ptr, w_ptr, sh_ptr, h_ptr, sorted_ptr, block_expert_ptr, N
     w_base = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we)
     g_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
     u_ptrs = g_ptrs + I * stride_wn
+    a_scale = tl.zeros([BLOCK_M], tl.float32)
+    if FP8:  # this block's tokens, quantized per token
+        a_scale = _row_scales(a_ptrs, valid, K, BLOCK_K)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -251,21 +282,25 @@ def _gate_up_kernel(x_ptr, w_ptr, sh_ptr, h_ptr, sorted_ptr, block_expert_ptr, N
         a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PREC)
+        acc_g = _dot(a, g, acc_g, a_scale, FP8, PREC)
+        acc_u = _dot(a, u, acc_u, a_scale, FP8, PREC)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if FP8:  # the row scales of this expert's gate and up rows
+        s_base = _expert_weights(ws_ptr, sh_s_ptr, e, shared_id, stride_se)
+        acc_g = acc_g * a_scale[:, None] * tl.load(s_base + cols, mask=cm, other=0.0)[None, :]
+        acc_u = acc_u * a_scale[:, None] * tl.load(s_base + I + cols, mask=cm, other=0.0)[None, :]
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(h_ptr + pair[:, None].to(tl.int64) * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty),
              mask=valid[:, None] & cm[None, :])
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, sh_ptr, y_ptr, pw_ptr, sorted_ptr, block_expert_ptr, N, K, H, num_m, shared_id,
-                 stride_h, stride_we, stride_wn, stride_y,
+def _down_kernel(h_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, y_ptr, pw_ptr, sorted_ptr, block_expert_ptr, N, K, H, num_m,
+                 shared_id, stride_h, stride_we, stride_wn, stride_se, stride_y,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, FP8: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, pair, valid = _block_rows(block_expert_ptr, sorted_ptr, pid_m, N, BLOCK_M)
     if e < 0:
@@ -277,14 +312,20 @@ def _down_kernel(h_ptr, w_ptr, sh_ptr, y_ptr, pw_ptr, sorted_ptr, block_expert_p
     a_ptrs = h_ptr + rows[:, None] * stride_h + kk[None, :]
     w_base = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we)
     b_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    a_scale = tl.zeros([BLOCK_M], tl.float32)
+    if FP8:  # each pair's activations (its row of h), quantized per pair
+        a_scale = _row_scales(a_ptrs, valid, K, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         km = kk < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
+        acc = _dot(a, b, acc, a_scale, FP8, PREC)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if FP8:
+        s_base = _expert_weights(ws_ptr, sh_s_ptr, e, shared_id, stride_se)
+        acc = acc * a_scale[:, None] * tl.load(s_base + cols, mask=cm, other=0.0)[None, :]
     acc = acc * tl.load(pw_ptr + rows, mask=valid, other=0.0)[:, None]
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=valid[:, None] & cm[None, :])
@@ -345,8 +386,10 @@ def pick(configs, num_tokens: int) -> TileConfig:
 def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, shared: torch.Tensor | None = None, *,
                   shared_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  expert_range: tuple[int, int] | None = None, gate_up_cfg: TileConfig | None = None,
-                  down_cfg: TileConfig | None = None) -> torch.Tensor:
+                  expert_range: tuple[int, int] | None = None,
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  shared_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  gate_up_cfg: TileConfig | None = None, down_cfg: TileConfig | None = None) -> torch.Tensor:
     """Routed experts (+ the shared expert) for ``x [T, H]``.
 
     ``w_gate_up [E, 2I, H]`` (gate rows, then up rows), ``w_down [E, H, I]``; ``weights``/``ids``
@@ -356,6 +399,10 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     = the number of routed experts, weight 1), so its GEMMs ride in the routed launches.
     ``expert_range=(first, last)`` says the weights hold only those experts of a larger set
     (an expert-parallel shard): pairs routed elsewhere add zero.
+
+    fp8: the weights are e4m3 codes and ``scales=(gate_up [E, 2I], down [E, H])`` their float32
+    row scales (``shared_scales=(gate_up [2I], down [H])`` for folded shared weights); the
+    activations are quantized per token (per pair for ``down``) inside the GEMMs.
     """
     T, H = x.shape
     E, two_i, _ = w_gate_up.shape
@@ -374,13 +421,23 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         if shared_weights is not None:  # the shared column is the last one: it is never outside
             local[:, -1] = E
     slots = E + (shared_weights is not None)
+    fp8 = scales is not None
+    assert fp8 == (w_gate_up.dtype == torch.float8_e4m3fn) == (w_down.dtype == torch.float8_e4m3fn)
+    s_gate_up, s_down = scales if fp8 else (w_gate_up, w_down)  # (unused pointers without fp8)
     if shared_weights is not None:
         sh_gate_up, sh_down = shared_weights
         assert sh_gate_up.shape == (two_i, H) and sh_down.shape == (H, I)
         assert sh_gate_up.stride(0) == w_gate_up.stride(1) and sh_down.stride(0) == w_down.stride(1)
+        assert sh_gate_up.dtype == w_gate_up.dtype and (shared_scales is not None) == fp8
+        sh_s_gate_up, sh_s_down = shared_scales if fp8 else (sh_gate_up, sh_down)
         shared_id = E
     else:
         sh_gate_up, sh_down, shared_id = w_gate_up, w_down, -1
+        sh_s_gate_up, sh_s_down = s_gate_up, s_down
+    if fp8:
+        assert s_gate_up.shape == (E, two_i) and s_down.shape == (E, H)
+        assert s_gate_up.stride(1) == s_down.stride(1) == 1
+        assert sh_s_gate_up.shape[-1] == two_i and sh_s_down.shape[-1] == H
     x = x if x.stride(-1) == 1 else x.contiguous()
     prec = dot_precision(x.dtype)
     cu = gate_up_cfg or pick(GATE_UP_CONFIGS, T)
@@ -390,10 +447,10 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     h = torch.empty(N, I, dtype=x.dtype, device=x.device)
     num_m = al.block_expert.numel()
     _gate_up_kernel[(num_m * triton.cdiv(I, cu.block_n),)](
-        x, w_gate_up, sh_gate_up, h, al.sorted_pairs, al.block_expert, N, H, I, num_m, shared_id,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), TOP_K=width,
-        BLOCK_M=cu.block_m, BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, GROUP_M=cu.group_m, PREC=prec,
-        num_warps=cu.num_warps, num_stages=cu.num_stages)
+        x, w_gate_up, sh_gate_up, s_gate_up, sh_s_gate_up, h, al.sorted_pairs, al.block_expert, N, H, I, num_m,
+        shared_id, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), h.stride(0),
+        TOP_K=width, BLOCK_M=cu.block_m, BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, GROUP_M=cu.group_m, PREC=prec,
+        FP8=fp8, num_warps=cu.num_warps, num_stages=cu.num_stages)
 
     if cd.block_m != cu.block_m:
         al = align(local, slots, cd.block_m)
@@ -402,10 +459,10 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         y.zero_()  # rows of pairs routed elsewhere are never written
     num_m = al.block_expert.numel()
     _down_kernel[(num_m * triton.cdiv(H, cd.block_n),)](
-        h, w_down, sh_down, y, weights.reshape(-1), al.sorted_pairs, al.block_expert, N, I, H, num_m, shared_id,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        h, w_down, sh_down, s_down, sh_s_down, y, weights.reshape(-1), al.sorted_pairs, al.block_expert, N, I, H,
+        num_m, shared_id, h.stride(0), w_down.stride(0), w_down.stride(1), s_down.stride(0), y.stride(0),
         BLOCK_M=cd.block_m, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k, GROUP_M=cd.group_m, PREC=prec,
-        num_warps=cd.num_warps, num_stages=cd.num_stages)
+        FP8=fp8, num_warps=cd.num_warps, num_stages=cd.num_stages)
 
     block = min(1024, next_pow2(H))
     _combine_kernel[(T, triton.cdiv(H, block))](y, shared if shared is not None else y, out, H, TOP_K=width,
