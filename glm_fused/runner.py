@@ -190,8 +190,8 @@ class ModelRunner:
             return self.args.dtype
         if model.fp8_params:
             return model.quant.describe()
-        return (f"{model.quant.describe()}, held as {self.args.dtype} (no fp8 kernels for "
-                f"{self.args.backend} on {self.args.device})")
+        return (f"{model.quant.describe()}, held dequantized in {self.args.dtype} (fp8 kernels: torch, "
+                f"bfloat16, a CUDA GPU of sm89 or later)")
 
     def decode_mode(self) -> str:
         """How decode steps run: replayed CUDA graphs (with their batch sizes) or eager."""

@@ -105,9 +105,9 @@ class Glm4MoeModel(Module):
     fp8 (``glm_fused.quantization``): with an fp8 checkpoint's config, or ``quantization="fp8"``,
     the decoder Linears are fp8. ``quant`` is the scheme, ``quantized`` the parameters it makes
     fp8, ``fp8_params`` those this model holds as e4m3 codes with row scales: all of them where
-    the framework has fp8 kernels for the device (``Ops.keeps_fp8``), none elsewhere (CPU,
-    Paddle), where the loader hands them over dequantized (or, quantized at load, rounded
-    through fp8) and the model computes in ``dtype``.
+    the framework has fp8 kernels for the device and dtype (``Ops.keeps_fp8``: torch, bf16,
+    CUDA), none elsewhere (CPU, Paddle, fp32), where the loader hands them over dequantized
+    (or, quantized at load, rounded through fp8) and the model computes in ``dtype``.
     """
 
     def __init__(self, config: Glm4MoeConfig, *, tp_rank: int = 0, tp_size: int = 1, fused: bool = True,
@@ -119,7 +119,7 @@ class Glm4MoeModel(Module):
         self.dtype = F.check_dtype(dtype)
         self.quant = scheme_for(config, quantization)
         self.quantized = fp8_parameters(config, self.quant)
-        self.fp8_params = self.quantized if self.quantized and F.keeps_fp8() else set()
+        self.fp8_params = self.quantized if self.quantized and F.keeps_fp8(self.dtype) else set()
         self.shard = TPShard(config, tp_rank, tp_size)
         self.comm = comm if comm is not None else F.dist.TPComm.from_env(tp_rank, tp_size)
         if (self.comm.rank, self.comm.size) != (tp_rank, tp_size):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from glm_fused.checkpoint import expected_shapes, load_rank_weights, scale_parameter
+from glm_fused.model.ops import Fp8Weight
 from glm_fused.quantization import Fp8Array
 
 
@@ -90,3 +91,26 @@ def dummy_weights(model, seed: int = 0) -> None:
                 return x
 
             _quantize_into(F, param, scale, draw)
+
+
+def copy_weights(src, dst) -> None:
+    """Give ``dst`` the weights of ``src``, a model of the same config and rank in any dtype or
+    weight kind: cast, an fp8 weight dequantized into a float parameter, a float weight
+    quantized into an fp8 one (an fp32 reference of a bf16 or fp8 model holds its exact weights)."""
+    F = dst.F
+    source, target = dict(src.named_parameters()), dict(dst.named_parameters())
+    scales = {scale_parameter(n) for n in dst.fp8_params}
+    with F.no_grad():
+        for name, param in target.items():
+            if name in scales:
+                continue  # filled with its weight
+            value = source[name]
+            if name in src.fp8_params:
+                value = Fp8Weight(value, source[scale_parameter(name)])
+            if name not in dst.fp8_params:
+                F.assign(param, F.dequantize_fp8(value, F.dtype_name(param)) if name in src.fp8_params else value)
+            elif name in src.fp8_params:
+                F.assign(param, value.codes)
+                F.assign(target[scale_parameter(name)], value.scale)
+            else:
+                _quantize_into(F, param, target[scale_parameter(name)], lambda i: value if i is None else value[i])

@@ -76,7 +76,7 @@ class Ops:
     def copy_into(self, param, array) -> None: raise NotImplementedError  # a host array into a parameter
     def copy_codes(self, param, codes) -> None: raise NotImplementedError  # uint8 e4m3 bits into an fp8 parameter
     def assign(self, dst, src) -> None: raise NotImplementedError  # a tensor's values into a parameter (or its slice)
-    def keeps_fp8(self) -> bool: raise NotImplementedError  # fp8 weights where new parameters land (fp8 kernels)?
+    def keeps_fp8(self, dtype: str) -> bool: raise NotImplementedError  # fp8 weights for a model in dtype, where parameters land?
     def fill(self, param, value: float) -> None: raise NotImplementedError
     def fill_normal(self, param, std: float, key: str) -> None: raise NotImplementedError  # seeded by key
     # maths and shapes (torch's semantics)

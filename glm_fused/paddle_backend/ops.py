@@ -100,7 +100,7 @@ class PaddleOps(Ops):
     def assign(self, dst, src) -> None:
         dst.set_value(src.astype(dst.dtype))
 
-    def keeps_fp8(self) -> bool:
+    def keeps_fp8(self, dtype: str) -> bool:
         # No fp8 kernels of this project in Paddle: fp8 checkpoints load dequantized.
         return False
 

@@ -134,13 +134,15 @@ class TorchOps(Ops):
     def assign(self, dst, src) -> None:
         dst.copy_(src)
 
-    def keeps_fp8(self) -> bool:
-        """fp8 weights where the fp8 kernels run: a CUDA device with fp8 tensor cores (or Triton's
-        CPU interpreter, for tests); elsewhere the model holds them dequantized."""
+    def keeps_fp8(self, dtype: str) -> bool:
+        """fp8 weights where the fp8 kernels run: a bf16 model on a CUDA device with fp8 tensor
+        cores (row-wise ``_scaled_mm`` gives bf16; an fp32 model is a reference and holds its
+        weights dequantized), or any model under Triton's CPU interpreter (tests)."""
         if kernels.interpreting():
             return True
         device = torch.get_default_device()
-        return device.type == "cuda" and kernels.triton_available() and self.gpu_sm(device) >= FP8_MIN_SM
+        return (dtype == "bfloat16" and device.type == "cuda" and kernels.triton_available()
+                and self.gpu_sm(device) >= FP8_MIN_SM)
 
     def fill(self, param, value: float) -> None:
         param.fill_(value)
