@@ -213,7 +213,7 @@ def emulated_ops():
     class Emulated(TorchOps):
         def linear_fp8(self, x, w, bias=None):
             xq = self.quantize_fp8(x.reshape(-1, x.shape[-1]))
-            y = self.linear(self.dequantize_fp8(xq), self.dequantize_fp8(w), bias)
+            y = self.linear(self.dequantize_fp8(xq), self.dequantize_fp8(w), None if bias is None else self.float32(bias))
             return y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
     return Emulated()

@@ -95,8 +95,9 @@ def dummy_weights(model, seed: int = 0) -> None:
 
 def copy_weights(src, dst) -> None:
     """Give ``dst`` the weights of ``src``, a model of the same config and rank in any dtype or
-    weight kind: cast, an fp8 weight dequantized into a float parameter, a float weight
-    quantized into an fp8 one (an fp32 reference of a bf16 or fp8 model holds its exact weights)."""
+    weight kind, as ``dst`` holds them: cast; an fp8 weight dequantized into a float parameter
+    (an fp32 reference of an fp8 model holds its exact weights); a float weight quantized into
+    an fp8 one, or rounded through fp8 where ``dst`` is fp8 by its scheme but holds floats."""
     F = dst.F
     source, target = dict(src.named_parameters()), dict(dst.named_parameters())
     scales = {scale_parameter(n) for n in dst.fp8_params}
@@ -107,10 +108,12 @@ def copy_weights(src, dst) -> None:
             value = source[name]
             if name in src.fp8_params:
                 value = Fp8Weight(value, source[scale_parameter(name)])
-            if name not in dst.fp8_params:
-                F.assign(param, F.dequantize_fp8(value, F.dtype_name(param)) if name in src.fp8_params else value)
-            elif name in src.fp8_params:
+            if name in dst.fp8_params and name in src.fp8_params:
                 F.assign(param, value.codes)
                 F.assign(target[scale_parameter(name)], value.scale)
-            else:
+            elif name in dst.fp8_params:
                 _quantize_into(F, param, target[scale_parameter(name)], lambda i: value if i is None else value[i])
+            else:
+                F.assign(param, F.dequantize_fp8(value, F.dtype_name(param)) if name in src.fp8_params else value)
+                if name in dst.quantized and name not in src.quantized:
+                    _round_through_fp8(F, param)
