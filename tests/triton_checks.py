@@ -396,6 +396,8 @@ CHECKS.update({
     "moe_fp8_shared_apart": lambda d, t: check_moe_fp8(d, t, shared_width=96),
     "moe_fp8_partial": lambda d, t: check_moe_fp8(d, t, expert_range=(4, 12)),
     "moe_fp8_chunks": lambda d, t: check_moe_fp8(d, t, T=40, top_k=3, hidden=32, inter=32),
+    # from fused_moe.PREQUANT_MIN_TOKENS tokens x and h are quantized once, before each GEMM
+    "moe_fp8_prequantized": lambda d, t: check_moe_fp8(d, t, T=70, top_k=3, hidden=32, inter=32),
     "model_fp8": check_model_fp8,
 })
 
