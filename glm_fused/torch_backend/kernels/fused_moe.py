@@ -388,6 +388,12 @@ DOWN_CONFIGS = [
 ]
 
 
+# fp8 weights: the bf16 tiles until swept with scripts/bench_moe.py --fp8 (fp8 reads half the
+# bytes per tile and its dot wants BLOCK_K >= 32; every entry above qualifies).
+FP8_GATE_UP_CONFIGS = GATE_UP_CONFIGS
+FP8_DOWN_CONFIGS = DOWN_CONFIGS
+
+
 def pick(configs, num_tokens: int) -> TileConfig:
     for bound, cfg in configs:
         if num_tokens <= bound:
@@ -453,8 +459,8 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         assert sh_s_gate_up.shape[-1] == two_i and sh_s_down.shape[-1] == H
     x = x if x.stride(-1) == 1 else x.contiguous()
     prec = dot_precision(x.dtype)
-    cu = gate_up_cfg or pick(GATE_UP_CONFIGS, T)
-    cd = down_cfg or pick(DOWN_CONFIGS, T)
+    cu = gate_up_cfg or pick(FP8_GATE_UP_CONFIGS if fp8 else GATE_UP_CONFIGS, T)
+    cd = down_cfg or pick(FP8_DOWN_CONFIGS if fp8 else DOWN_CONFIGS, T)
 
     mode = NO_FP8 if not fp8 else QUANTIZED_INPUT if (
         T >= PREQUANT_MIN_TOKENS if prequantize is None else prequantize) else QUANT_IN_KERNEL
