@@ -267,3 +267,60 @@ def test_quantization_flag(ckpts):
     assert _resolve(ckpts["channel"][1]).quantization is None
     assert _resolve(ckpts["channel"][1], quantization="fp8").quantization == "fp8"
     assert _resolve(ckpts["channel"][0]).quantization == "fp8"  # an fp8 checkpoint is fp8 without the flag
+
+
+def test_a_quantized_lm_head_loads_decoded(ckpts, tmp_path):
+    """compressed-tensors quantizes ``lm_head`` unless ignored: the model (whose LM head is never
+    fp8) takes it decoded, exactly as the fp32 twin holds it."""
+    fp8 = _copy(ckpts["channel_fused"][0], tmp_path / "fp8")
+    ref = _copy(ckpts["channel_fused"][1], tmp_path / "ref")
+
+    def quantize_head(t):
+        if "lm_head.weight" in t:
+            codes, scale = fc.quantize_rows(t["lm_head.weight"])
+            t["lm_head.weight"], t["lm_head.weight_scale"] = codes, scale[:, None].contiguous()
+
+    def dequantize_head(t):
+        if "lm_head.weight" in t:
+            codes, scale = fc.quantize_rows(t["lm_head.weight"])
+            t["lm_head.weight"] = (codes.float() * scale[:, None]).contiguous()
+
+    _edit_tensors(fp8, quantize_head)
+    _edit_tensors(ref, dequantize_head)
+    _edit_config(fp8, lambda raw: raw["quantization_config"]["ignore"].remove("lm_head"))
+    logits = _logits(tmp_path, {"fp8": fp8, "ref": ref}, 1)
+    assert _rel(logits["fp8"], logits["ref"]) <= TOL
+
+
+def test_dummy_fp8_weights_on_cpu():
+    from glm_fused.batch import ForwardBatch
+    from glm_fused.runner import ModelRunner
+
+    settings = EngineArgs(model="glm-4.5-air-tiny", load_format="dummy", backend="torch", device="cpu",
+                          quantization="fp8", max_num_seqs=1, max_model_len=16, max_num_batched_tokens=16).resolve()
+    runner = ModelRunner(settings, settings.config(), tp_rank=0, tp_size=1)
+    assert runner.weights().startswith("fp8 e4m3") and "held dequantized in float32" in runner.weights()
+    from glm_fused.torch_backend import OPS
+
+    w = runner.model.layers[1].mlp.experts.gate_up_proj[3].detach()
+    assert torch.allclose(OPS.dequantize_fp8(OPS.quantize_fp8(w)), w, rtol=1e-6, atol=0)  # on its rows' fp8 grid
+    draw = torch.randn_like(w)
+    assert not torch.allclose(OPS.dequantize_fp8(OPS.quantize_fp8(draw)), draw, rtol=1e-3, atol=0)
+    assert np.isfinite(runner.forward(ForwardBatch.prefill([[1, 2, 3]], slots=[0]))).all()
+    runner.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_broken_fp8_checkpoint_is_one_cli_line(ckpts, tmp_path):
+    import subprocess
+    import sys
+
+    d = _copy(ckpts["channel"][0], tmp_path / "ckpt")
+    _edit_tensors(d, _drop(f"{Q}.weight_scale"))
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "generate.py"), "--model", str(d), "--backend",
+                           "torch", "--prompt", "hi", "--max-new-tokens", "1"], capture_output=True, text=True,
+                          timeout=100)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and f"'{Q}.weight_scale' is missing" in last, proc.stderr[-2000:]
