@@ -62,6 +62,56 @@ def test_kernels_under_the_triton_interpreter():
     _assert_checks(results, FP32_TOL)
 
 
+def _sm90_compile(fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3):
+    """``fn`` compiled for an H100/H200 (sm90) with Triton's bundled ptxas: no GPU needed."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import triton
+
+    src = ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                           "num_stages": num_stages})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fp8_kernels_compile_for_sm90():
+    """The fp8 kernels as the GPU would build them (the interpreter never lowers them): decode
+    tiles quantize activations in the kernel (``cvt.rn.satfinite`` to e4m3), prefill tiles read
+    e4m3 rows and multiply with e4m3 wgmma."""
+    pytest.importorskip("triton")
+    from glm_fused.torch_backend.kernels import fp8, fused_moe
+
+    try:
+        quant = _sm90_compile(fp8._per_token_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                                                            "K": "i32", "stride_x": "i32", "stride_q": "i32"},
+                              {"BLOCK": 1024})
+    except Exception as exc:  # no ptxas in this Triton build
+        pytest.skip(f"cannot compile for sm90 here: {type(exc).__name__}: {str(exc)[:200]}")
+    assert "cvt.rn.satfinite.e4m3x2.f32" in quant.asm["ptx"]
+    for mode, tile in ((fused_moe.QUANT_IN_KERNEL, (16, 128, 128, 1, 4, 3)),
+                       (fused_moe.QUANTIZED_INPUT, (128, 128, 64, 8, 8, 4))):
+        bm, bn, bk, gm, warps, stages = tile
+        a = "*fp8e4nv" if mode == fused_moe.QUANTIZED_INPUT else "*bf16"
+        common = {"w_ptr": "*fp8e4nv", "sh_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "sh_s_ptr": "*fp32",
+                  "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "N": "i32", "K": "i32", "num_m": "i32",
+                  "shared_id": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_se": "i32"}
+        consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "PREC": "tf32", "FP8": mode}
+        gate_up = _sm90_compile(fused_moe._gate_up_kernel, {
+            "x_ptr": a, "xs_ptr": "*fp32", "h_ptr": "*bf16", "I": "i32", "stride_x": "i32", "stride_h": "i32",
+            **common}, {"TOP_K": 9, **consts}, warps, stages)
+        down = _sm90_compile(fused_moe._down_kernel, {
+            "h_ptr": a, "hs_ptr": "*fp32", "y_ptr": "*bf16", "pw_ptr": "*fp32", "H": "i32", "stride_h": "i32",
+            "stride_y": "i32", **common}, consts, warps, stages)
+        for kernel in (gate_up, down):
+            ptx = kernel.asm["ptx"]
+            if mode == fused_moe.QUANTIZED_INPUT:
+                assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+            else:
+                assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
 @pytest.fixture(scope="module")
 def cuda():
     if not torch.cuda.is_available():
