@@ -15,7 +15,10 @@ In one process, on one device, with the same weights in both:
    Bytes are what the step must read at least once: attention and norm weights, the router,
    the experts the router actually chose for this batch (counted from the router's output),
    the shared expert or dense MLP, and the KV cache of the context. FLOP are the matmuls
-   (2 per multiply-add), causal attention counted as half the square.
+   (2 per multiply-add), causal attention counted as half the square. ``ours-fp8`` (the
+   serving path with fp8 weights: the same layer's weights quantized per row) has its own
+   floor: its Linear weights at 1 byte each (plus a 4-byte scale per row), its FLOP at the
+   machine's fp8 matrix rate (``torch._scaled_mm``).
 
 Also checks that every variant computes what transformers' eager layer computes (max relative
 difference of the residual stream after the layer), so a fast wrong layer cannot pass for a
@@ -40,14 +43,15 @@ from bench.common import (AIR_CONFIG, copy_bandwidth, graphed, int_list, load_co
                           text_table, time_ms, torch_device, write_json)
 from glm_fused.errors import UserError
 
-IMPLS = ("ours", "ours-eager", "ours-unfused", "ours-v0", "hf-eager", "hf-grouped_mm")
+IMPLS = ("ours", "ours-eager", "ours-unfused", "ours-v0", "ours-fp8", "hf-eager", "hf-grouped_mm")
 # What each of the project's variants runs: (fused layout, Triton kernels, CUDA graph for decode).
 #   ours          the serving path: Triton kernels, decode replayed from a CUDA graph
 #   ours-eager    the same kernels launched op by op
 #   ours-unfused  as ours, classic layout (plain add + RMSNorm): the TP=1 fused path must cost no more
 #   ours-v0       the first version: eager PyTorch ops, a Python loop over experts (no Triton, no graph)
+#   ours-fp8      as ours, with fp8 weights (fp8 GEMMs, the fp8 fused MoE); its own floor (1 byte per weight)
 OURS = {"ours": (True, True, True), "ours-eager": (True, True, False), "ours-unfused": (False, True, True),
-        "ours-v0": (True, False, False)}
+        "ours-v0": (True, False, False), "ours-fp8": ("fp8", True, True)}
 # transformers' experts implementation per variant ("eager" = its own per-expert loop).
 HF_EXPERTS = {"hf-eager": "eager", "hf-grouped_mm": "grouped_mm"}
 REFERENCE = "hf-eager"  # every variant's output is compared with this one
@@ -115,19 +119,37 @@ def default_dtype(dtype):
 
 
 # ---------------------------------------------------------------------------- the two layers
-def build_ours(config, layer_idx: int, dtype, device, seed: int, fused: bool = True):
-    """The project's decoder layer at TP 1 (fused or classic layout), random weights (see fill_random)."""
+def build_ours(config, layer_idx: int, dtype, device, seed: int, fused: bool = True, fp8_from=None):
+    """The project's decoder layer at TP 1 (fused or classic layout), random weights (see
+    fill_random); ``fp8_from``: a layer whose weights this one takes, its Linears in fp8 (the
+    quantization ``--quantization fp8`` applies at load)."""
+    from glm_fused.checkpoint import fp8_parameters
+    from glm_fused.quantization import Fp8Scheme, module_of
     from glm_fused.sharding import TPShard
-    from glm_fused.torch_backend import LAYERS
+    from glm_fused.torch_backend import LAYERS, OPS
     from glm_fused.torch_backend.dist import TPComm
 
     comm = TPComm(0, 1)
+    prefix = f"layers.{layer_idx}."
+    fp8 = frozenset(module_of(n).removeprefix(prefix) for n in fp8_parameters(config, Fp8Scheme("online"))
+                    if n.startswith(prefix)) if fp8_from is not None else frozenset()
     with torch.device(device):
         rotary = LAYERS.RotaryEmbedding(config.head_dim, config.rotary_dim, config.max_position_embeddings,
                                         config.rope_theta)
         layer = LAYERS.Glm4MoeDecoderLayer(config, layer_idx, TPShard(config, 0, 1), comm, fused, rotary,
-                                           str(dtype).removeprefix("torch."))
-    fill_random(layer, config, seed)
+                                           str(dtype).removeprefix("torch."), fp8)
+    if fp8_from is None:
+        fill_random(layer, config, seed)
+        return layer.eval()
+    params = dict(layer.named_parameters())
+    with torch.no_grad():
+        for name, p in fp8_from.named_parameters():
+            if params[name].dtype == torch.float8_e4m3fn:
+                q = OPS.quantize_fp8(p)
+                params[name].copy_(q.codes)
+                params[f"{name}_scale"].copy_(q.scale)
+            else:
+                params[name].copy_(p)
     return layer.eval()
 
 
@@ -212,17 +234,24 @@ def _cache_keyword() -> str:
 
 # ---------------------------------------------------------------------------- the floor
 def layer_cost(config, moe: bool, *, tokens: int, seqs: int, context: int, experts_hit: int,
-               itemsize: int) -> dict:
+               itemsize: int, fp8: bool = False) -> dict:
     """Least bytes one step must move and the matmul FLOP it must do, for one layer at TP 1.
 
     ``tokens`` new tokens in ``seqs`` sequences, each after ``context`` cached tokens (prefill:
-    one sequence, context 0, causal attention over its own tokens)."""
+    one sequence, context 0, causal attention over its own tokens). ``itemsize``: bytes of an
+    activation, KV entry and norm weight; ``fp8``: Linear weights at 1 byte, with a float32
+    scale per row (the router stays fp32)."""
     c = config
     H, D, nh, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    w_bytes = 1 if fp8 else itemsize
+
+    def linear(rows: int, cols: int) -> int:  # bytes of one Linear weight
+        return rows * cols * w_bytes + (rows * 4 if fp8 else 0)
+
     qkv_out = (nh + 2 * nkv) * D
     attn_params = qkv_out * H + H * nh * D
     small = 2 * H + (qkv_out if c.attention_bias else 0) + (2 * D if c.use_qk_norm else 0)
-    weight_bytes = (attn_params + small) * itemsize
+    weight_bytes = linear(qkv_out, H) + linear(H, nh * D) + small * itemsize
     flop = 2 * tokens * attn_params
     keys = context + tokens // seqs  # keys each sequence attends to (its new ones included)
     if context == 0 and tokens > seqs:  # causal prefill: on average half the square
@@ -233,12 +262,12 @@ def layer_cost(config, moe: bool, *, tokens: int, seqs: int, context: int, exper
     act_bytes = 2 * tokens * H * itemsize  # layer input in, stream out
     if moe:
         E, Im, Is, k = c.n_routed_experts, c.moe_intermediate_size, c.shared_intermediate_size, c.num_experts_per_tok
-        weight_bytes += E * H * 4 + E * 4                       # fp32 router + correction bias
-        weight_bytes += experts_hit * 3 * Im * H * itemsize     # only the experts chosen
-        weight_bytes += 3 * Is * H * itemsize                   # shared expert
+        weight_bytes += E * H * 4 + E * 4                                    # fp32 router + correction bias
+        weight_bytes += experts_hit * (linear(2 * Im, H) + linear(H, Im))    # only the experts chosen
+        weight_bytes += linear(2 * Is, H) + linear(H, Is)                    # shared expert
         flop += 2 * tokens * (E * H + k * 3 * Im * H + 3 * Is * H)
     else:
-        weight_bytes += 3 * c.intermediate_size * H * itemsize
+        weight_bytes += linear(2 * c.intermediate_size, H) + linear(H, c.intermediate_size)
         flop += 2 * tokens * 3 * c.intermediate_size * H
     return {"bytes": weight_bytes + kv_bytes + act_bytes, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
             "flop": flop}
@@ -334,6 +363,11 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
     res["floor_ms_flop"] = cost["flop"] / rate * 1e3
     res["floor_ms"] = max(res["floor_ms_bytes"], res["floor_ms_flop"])
     res["bound"] = "HBM" if res["floor_ms_bytes"] >= res["floor_ms_flop"] else "compute"
+    if "fp8" in layers:  # the fp8 layer's own floor
+        fp8 = layer_cost(config, kind == "moe", tokens=T, seqs=B, context=C, experts_hit=hit.get("n") or 0,
+                         itemsize=hidden.element_size(), fp8=True)
+        res["fp8_bytes"] = fp8["bytes"]
+        res["fp8_floor_ms"] = max(fp8["bytes"] / bw, fp8["flop"] / args.fp8_matrix_rate) * 1e3
     iters = args.iters if step != "prefill" else max(2, args.iters // 2)
     outputs = {}
     # transformers first: its eager output is the reference every variant is compared with
@@ -365,7 +399,7 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
                         return hf(hf_x, attention_mask=None, position_ids=position_ids, use_cache=True,
                                   position_embeddings=pe, **{kw: c})
                     entry["ms"] = time_ms(fn, device, args.warmup, iters)
-                entry["x_floor"] = entry["ms"] / res["floor_ms"]
+                entry["x_floor"] = entry["ms"] / res["fp8_floor_ms" if impl == "ours-fp8" else "floor_ms"]
                 if impl != REFERENCE and REFERENCE in outputs:
                     entry["vs_reference"] = _rel(outputs[impl], outputs[REFERENCE])
         except Exception as exc:  # one implementation failing must not hide the others
@@ -380,6 +414,17 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
         if impl != "ours" and ours_ms and entry.get("ms"):
             entry["ours_speedup"] = entry["ms"] / ours_ms
     return res
+
+
+def fp8_matmul_rate(device, n: int, iters: int = 20) -> float:
+    """FLOP per second of an n x n x n fp8 GEMM with row-wise scales (``torch._scaled_mm``)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, generator=g, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, generator=g, device=device).to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+    ms = time_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), device,
+                 warmup=3, iters=iters)
+    return 2 * n ** 3 / (ms / 1e3)
 
 
 def profile_kernels(fn, calls: int = 3, top: int = 14) -> list[dict]:
@@ -430,8 +475,12 @@ def run(args) -> dict:
     args.matrix_rate = matmul_rate(device, args.matmul_n, dtype)
     out["copy_bandwidth_GBps"] = args.bandwidth / 1e9
     out["matrix_TFLOPs"] = args.matrix_rate / 1e12
+    if "ours-fp8" in args.impls:
+        args.fp8_matrix_rate = fp8_matmul_rate(device, args.matmul_n) if device.type == "cuda" else args.matrix_rate
+        out["fp8_matrix_TFLOPs"] = args.fp8_matrix_rate / 1e12
+    fp8_rate = f", fp8 {out['fp8_matrix_TFLOPs']:.1f}" if "fp8_matrix_TFLOPs" in out else ""
     print(f"device {out['device']}, {args.dtype}: copy bandwidth {args.bandwidth / 1e9:.0f} GB/s "
-          f"(read + write, {args.copy_mib} MiB buffers), matmul {args.matrix_rate / 1e12:.1f} TFLOP/s "
+          f"(read + write, {args.copy_mib} MiB buffers), matmul {args.matrix_rate / 1e12:.1f}{fp8_rate} TFLOP/s "
           f"({args.matmul_n}^3)", flush=True)
     steps = (["prefill"] if args.prefill else []) + decode_steps(args.decode_batches, args.context)
     cases = []
@@ -443,6 +492,8 @@ def run(args) -> dict:
         layers = {True: build_ours(config, layer_idx, dtype, device, args.seed)}
         if "ours-unfused" in args.impls:  # same seed, same parameter order: the same weights
             layers[False] = build_ours(config, layer_idx, dtype, device, args.seed, fused=False)
+        if "ours-fp8" in args.impls:  # the same weights, quantized per row
+            layers["fp8"] = build_ours(config, layer_idx, dtype, device, args.seed, fp8_from=layers[True])
         hf = rotary = None
         if any(i in HF_EXPERTS for i in args.impls):
             hf, rotary, _ = build_hf(config, layer_idx, layers[True], dtype, device)
@@ -475,7 +526,8 @@ def print_table(out: dict) -> None:
     impls = []
     for case in out["cases"]:
         impls += [i for i in case["impls"] if i not in impls]
-    header = ["layer", "step", "tokens", "experts hit", "floor ms", "bound"]
+    fp8 = any("fp8_floor_ms" in c for c in out["cases"])
+    header = ["layer", "step", "tokens", "experts hit", "floor ms", "bound"] + (["fp8 floor ms"] if fp8 else [])
     for impl in impls:
         header += [f"{impl} ms", "x floor"]
     header += [f"ours vs {i}" for i in impls if i != "ours"]
@@ -483,7 +535,7 @@ def print_table(out: dict) -> None:
     rows = []
     for c in out["cases"]:
         row = [c["layer"], c["step"], c["tokens"], "-" if c["experts_hit"] is None else c["experts_hit"],
-               f"{c['floor_ms']:.3f}", c["bound"]]
+               f"{c['floor_ms']:.3f}", c["bound"]] + ([f"{c['fp8_floor_ms']:.3f}"] if fp8 else [])
         for impl in impls:
             e = c["impls"].get(impl, {})
             row += [f"{e['ms']:.3f}", f"{e['x_floor']:.2f}"] if "ms" in e else ["failed", "-"]
@@ -497,7 +549,9 @@ def print_table(out: dict) -> None:
           "'ours vs X' = X ms / ours ms (above 1: ours is faster); max rel = max|X - transformers eager| / "
           "max|transformers eager| of the layer's output stream. ours = Triton kernels + CUDA graph (decode), "
           "ours-eager = same kernels without the graph, ours-unfused = classic layout, ours-v0 = the first "
-          "version (eager PyTorch, expert loop)", flush=True)
+          "version (eager PyTorch, expert loop)" + ("; ours-fp8 = ours with fp8 weights, its x floor against the fp8 "
+                                                    "floor (weights at 1 byte, fp8 matrix rate)" if fp8 else ""),
+          flush=True)
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,12 @@ floor (the hit experts' bytes / copy bandwidth) or the matrix floor, and the fas
 configuration per size, ready for ``GATE_UP_CONFIGS`` / ``DOWN_CONFIGS`` in
 ``glm_fused/torch_backend/kernels/fused_moe.py``.
 
-``python scripts/bench_moe.py [--tokens 1,8,32,64,256,2048] [--json OUT]``
+``--fp8``: the experts' weights quantized per row (e4m3), the fp8 kernels (activations
+quantized per token), the floor at 1 byte per weight, each variant checked against the expert
+loop on the dequantized weights within 5e-2 (activation quantization; the fp8 rule), the best
+configurations ready for ``FP8_GATE_UP_CONFIGS`` / ``FP8_DOWN_CONFIGS`` (no grouped GEMM row).
+
+``python scripts/bench_moe.py [--tokens 1,8,32,64,256,2048] [--fp8] [--json OUT]``
 """
 
 from __future__ import annotations
@@ -70,15 +75,22 @@ def run(args) -> dict:
     experts = LAYERS.Experts((0, E), H, I, dtype="bfloat16").to(dev)
     experts.gate_up_proj.data.normal_(0, 0.02, generator=g)
     experts.down_proj.data.normal_(0, 0.02, generator=g)
+    w_gate_up, w_down, scales, tol, w_bytes = experts.gate_up_proj, experts.down_proj, None, 2e-2, 2
+    if args.fp8:  # the same weights quantized per row; the loop reference gets them dequantized
+        q_gate_up, q_down = (OPS.quantize_fp8(w) for w in (w_gate_up, w_down))
+        w_gate_up, w_down, scales, tol, w_bytes = q_gate_up.codes, q_down.codes, (q_gate_up.scale, q_down.scale), 5e-2, 1
+        experts.gate_up_proj.data.copy_(OPS.dequantize_fp8(q_gate_up, "bfloat16"))
+        experts.down_proj.data.copy_(OPS.dequantize_fp8(q_down, "bfloat16"))
     router = torch.randn(E, H, generator=g, device=dev) * (2.4 / H ** 0.5)
     bias = 0.2 * torch.rand(E, generator=g, device=dev)
     out = {"copy_bandwidth_GBps": bw / 1e9, "matrix_TFLOPs": rate / 1e12, "sizes": []}
-    print(f"copy {bw / 1e9:.0f} GB/s, matmul {rate / 1e12:.0f} TFLOP/s; E={E} H={H} I={I} top-{k}", flush=True)
+    print(f"copy {bw / 1e9:.0f} GB/s, matmul {rate / 1e12:.0f} TFLOP/s; E={E} H={H} I={I} top-{k}"
+          f"{' fp8 weights' if args.fp8 else ''}", flush=True)
     for T in args.tokens:
         x = torch.randn(T, H, generator=g, device=dev).to(dtype)
         weights, ids = fm.router_topk(x.float() @ router.T, bias, k, True, 1.0)
         hit = int(torch.unique(ids).numel())
-        floor_ms = max(hit * 3 * I * H * 2 / bw, 2 * T * k * 3 * I * H / rate) * 1e3
+        floor_ms = max(hit * 3 * I * H * w_bytes / bw, 2 * T * k * 3 * I * H / rate) * 1e3
         with torch.inference_mode():
             ref = OPS.routed_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids.long(), (0, E))
         small = T <= 256
@@ -102,11 +114,12 @@ def run(args) -> dict:
             return row
 
         def triton_fn(gu, dn):
-            return lambda: fm.fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids,
+            return lambda: fm.fused_experts(x, w_gate_up, w_down, weights, ids, scales=scales,
                                             gate_up_cfg=fm.TileConfig(*gu), down_cfg=fm.TileConfig(*dn))
 
         measure("loop", lambda: OPS.routed_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids.long(), (0, E)))
-        measure("grouped_mm", lambda: grouped_mm_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids))
+        if not args.fp8:
+            measure("grouped_mm", lambda: grouped_mm_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids))
         if small:
             for cand in SMALL:
                 measure(f"triton gate_up={cand} down={cand}", triton_fn(cand, cand))
@@ -117,7 +130,7 @@ def run(args) -> dict:
             best_gu = min(good, key=good.get) if good else LARGE_GATE_UP[0]
             for cand in LARGE_DOWN[1:]:
                 measure(f"triton gate_up={best_gu} down={cand}", triton_fn(best_gu, cand))
-        ok = [r for r in rows if "ms" in r and r["variant"].startswith("triton") and r["max_rel"] < 2e-2]
+        ok = [r for r in rows if "ms" in r and r["variant"].startswith("triton") and r["max_rel"] < tol]
         best = min(ok, key=lambda r: r["ms"]) if ok else None
         out["sizes"].append({"tokens": T, "experts_hit": hit, "floor_ms": floor_ms, "rows": rows,
                              "best": best and best["variant"]})
@@ -126,7 +139,7 @@ def run(args) -> dict:
         r = {x["variant"]: x for x in s["rows"]}
         b = r.get(s["best"], {})
         print(f"{s['tokens']:6}  {s['experts_hit']:3}  {s['floor_ms']:8.4f}  {r['loop'].get('ms', float('nan')):7.3f}  "
-              f"{r['grouped_mm'].get('ms', float('nan')):13.4f}  {b.get('ms', float('nan')):9.4f} "
+              f"{r.get('grouped_mm', {}).get('ms', float('nan')):13.4f}  {b.get('ms', float('nan')):9.4f} "
               f"({b.get('x_floor', float('nan')):.2f})           {s['best']}")
     if args.json:
         write_json(args.json, out)
@@ -137,6 +150,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="bench_moe.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, default=AIR_CONFIG)
     p.add_argument("--tokens", type=int_list, default=[1, 8, 32, 64, 256, 2048])
+    p.add_argument("--fp8", action="store_true", help="fp8 weights (e4m3, one scale per row) and the fp8 kernels")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

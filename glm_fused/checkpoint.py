@@ -11,10 +11,19 @@ Both expert layouts seen in the wild are accepted: the original per-expert names
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``) and transformers-5 fused experts
 (``mlp.experts.gate_up_proj [E, 2I, H]`` with gate rows first, ``mlp.experts.down_proj [E, H, I]``).
 The MTP block at layer index ``num_hidden_layers`` is skipped (used only for speculative decoding).
+
+FP8 checkpoints (``glm_fused.quantization``): a part of a weight stored in e4m3 carries the part
+of its scale tensor that covers it (``Part.scale``: its rows' scales for one scale per row, the
+covering blocks for block scales, which need not split evenly over ranks), and dtypes are
+checked against the ``quantization_config``. What becomes of a part is the loader's choice, by
+the parameter: codes and row scales copied as stored into an fp8 parameter; decoded exactly
+(``read_float32_into``) into a float one; decoded, then requantized per row, for a block-scaled
+weight the model keeps in fp8.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -25,8 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
+from glm_fused import quantization as q8
 from glm_fused.config import Glm4MoeConfig
 from glm_fused.errors import UserError
+from glm_fused.quantization import Fp8Scheme
 from glm_fused.safetensors_io import FLOAT_DTYPES, RAW_DTYPES, SafetensorsFile, slice_shape
 from glm_fused.sharding import TPShard
 
@@ -86,6 +97,10 @@ class Checkpoint:
     def file(self, name: str) -> SafetensorsFile:
         return self.files[self.location[name]]
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype as safetensors names it (``BF16``, ``F8_E4M3``, ...)."""
+        return self.file(name).dtype(name)
+
 
 # ---- the load plan -------------------------------------------------------------------
 
@@ -95,12 +110,21 @@ class Part:
 
     A framework's weight writer copies it (``glm_fused.model.loader``): the slice is read as
     stored (``dtype``: bf16, fp8, fp32, ...) and converted once, into the parameter.
+
+    A weight stored in fp8 carries its scales: ``scale`` is the read of its scale tensor this
+    slice needs. Row scales (``block`` None): this slice's rows, and ``scale.dst`` is where they
+    land in the parameter's row scales (the weight's ``dst``: parts split rows, never columns).
+    Block scales: the blocks covering the slice, whose first element sits at ``offset`` in its
+    first block.
     """
     name: str                             # checkpoint tensor
     index: tuple                          # this rank's slice of it (basic slices)
     shape: tuple[int, ...]                # of that slice
     dst: tuple = ()                       # where it goes in the parameter; () = all of it
     source: SafetensorsFile | None = None  # the shard holding it (set by ``validate``)
+    scale: Part | None = None             # fp8 weights: the read of their scales
+    block: tuple[int, int] | None = None  # block scales: (rows, columns) per scale
+    offset: tuple[int, int] = (0, 0)      # block scales: the slice's first element within its first block
 
     @property
     def dtype(self) -> str:
@@ -109,7 +133,35 @@ class Part:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(RAW_DTYPES[self.dtype]).itemsize
+        """Bytes read as stored (an fp8 weight's scales included)."""
+        own = math.prod(self.shape) * np.dtype(RAW_DTYPES[self.dtype]).itemsize
+        return own + (self.scale.nbytes if self.scale is not None else 0)
+
+    @property
+    def row_scaled(self) -> bool:
+        """fp8 with one scale per output row: codes and scales go into an fp8 parameter as stored."""
+        return self.scale is not None and self.block is None
+
+    def placed(self, dst: tuple) -> Part:
+        """This read landing at ``dst`` (its row scales at the same rows of the row scales)."""
+        return replace(self, dst=dst, scale=self.scale.placed(dst) if self.row_scaled else self.scale)
+
+    def per_expert(self) -> list[Part]:
+        """A read of several stacked experts (``[E, rows, cols]``) as one read per expert, so a
+        float copy of it stays one expert large; any other read as it is."""
+        if len(self.shape) < 3 or self.shape[0] == 1:
+            return [self]
+        return [self._expert(i) for i in range(self.shape[0])]
+
+    def _expert(self, i: int) -> Part:
+        def one(sl: slice) -> slice:
+            start = sl.start or 0
+            return slice(start + i, start + i + 1)
+
+        dst = self.dst or (slice(None),)
+        scale = self.scale._expert(i) if self.scale is not None else None
+        return replace(self, index=(one(self.index[0]), *self.index[1:]), shape=(1, *self.shape[1:]),
+                       dst=(one(dst[0]), *dst[1:]), scale=scale)
 
 
 @dataclass
@@ -129,14 +181,14 @@ class _Param:
         placed = []
         for parts, lead, axis, shape in groups:
             if len(parts) == 1 and parts[0].shape == tuple(shape) and not lead:
-                placed.append(parts[0])
+                placed.append(parts[0].placed(()))
                 continue
             at = 0
             for p in parts:
                 n = p.shape[axis]
                 if p.shape[:axis] + p.shape[axis + 1:] != tuple(shape[:axis]) + tuple(shape[axis + 1:]):
                     raise AssertionError(f"{p.name}{p.shape} does not fit a parameter slice of {shape}")
-                placed.append(replace(p, dst=lead + (slice(None),) * axis + (slice(at, at + n),)))
+                placed.append(p.placed(lead + (slice(None),) * axis + (slice(at, at + n),)))
                 at += n
             if at != shape[axis]:  # a planning bug, not a user error
                 raise AssertionError(f"parts of {[p.name for p in parts]} fill {at} of {shape[axis]} rows")
@@ -152,7 +204,8 @@ def _cols(a: int, b: int) -> tuple:
 
 
 def load_plan(config: Glm4MoeConfig, shard: TPShard, names: set[str]) -> tuple[dict[str, _Param], dict[str, tuple]]:
-    """Parameter plan for this rank, and the full shape every checkpoint tensor must have.
+    """Parameter plan for this rank, and the full shape every checkpoint tensor must have
+    (the fp8 scales of an fp8 checkpoint's quantized weights included).
 
     ``names``: the checkpoint's tensor names (they tell the expert layout). The one map between
     checkpoint and model names: bench/bench_layers.py runs it backwards to give transformers'
@@ -160,12 +213,18 @@ def load_plan(config: Glm4MoeConfig, shard: TPShard, names: set[str]) -> tuple[d
     """
     c, s = config, shard
     H, D, V = c.hidden_size, c.head_dim, c.vocab_size
+    scheme = q8.parse(c.quantization_config)
     params: dict[str, _Param] = {}
     full: dict[str, tuple] = {}
 
     def read(name: str, shape: tuple, index: tuple) -> Part:
         full[name] = shape
-        return Part(name, index, slice_shape(shape, index))
+        part = Part(name, index, slice_shape(shape, index))
+        if scheme is None or not scheme.stored or not scheme.quantized(q8.module_of(name)):
+            return part
+        scale = scheme.scale_name(name)
+        full[scale] = q8.scale_shape(scheme, shape)
+        return _with_scale(part, scale, full[scale], scheme.block, shape)
 
     q0, q1 = s.q_heads()
     k0, k1 = s.kv_heads()
@@ -233,6 +292,31 @@ def load_plan(config: Glm4MoeConfig, shard: TPShard, names: set[str]) -> tuple[d
     return params, full
 
 
+def _bounds(shape: tuple, index: tuple) -> list[tuple[int, int]]:
+    """(start, stop) along every dimension of ``tensor[index]`` (index: slices, possibly fewer than dims)."""
+    out = []
+    for dim, size in enumerate(shape):
+        start, stop, step = (index[dim] if dim < len(index) else slice(None)).indices(size)
+        assert step == 1
+        out.append((start, stop))
+    return out
+
+
+def _with_scale(part: Part, name: str, scale_shape: tuple, block: tuple[int, int] | None, shape: tuple) -> Part:
+    """``part`` of an fp8 weight of ``shape`` with the read of its scale tensor ``name``
+    (``scale_shape``) it needs."""
+    bounds = _bounds(shape, part.index)
+    lead = tuple(slice(a, b) for a, b in bounds[:-2])
+    (r0, r1), (c0, c1) = bounds[-2:]
+    if block is None:  # one scale per output row: this read's rows, whatever its columns
+        index = lead + (slice(r0, r1),)
+        return replace(part, scale=Part(name, index, slice_shape(scale_shape, index)))
+    bn, bk = block
+    index = lead + (slice(r0 // bn, -(-r1 // bn)), slice(c0 // bk, -(-c1 // bk)))
+    return replace(part, scale=Part(name, index, slice_shape(scale_shape, index)), block=block,
+                   offset=(r0 % bn, c0 % bk))
+
+
 def _swiglu(params, read, dst: str, src: str, H: int, inter: int, rng: tuple[int, int], local: int) -> None:
     a, b = rng
     params[f"{dst}gate_up_proj.weight"] = _Param((2 * local, H), "weight", [
@@ -257,28 +341,120 @@ def _is_mtp(name: str, config: Glm4MoeConfig) -> bool:
 
 
 def validate(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard) -> dict[str, _Param]:
-    """Check names, shapes and dtypes against the config before any tensor is read; return the
-    rank's plan with every part's shard attached."""
+    """Check names, shapes and dtypes (fp8 exactly where the quantization_config says) against
+    the config before any tensor is read; return the rank's plan with every part's shard attached."""
     params, full = load_plan(config, shard, ckpt.names)
-    missing = [n for n in full if n not in ckpt.location]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise UserError(f"{ckpt.dir}: tensor {missing[0]!r} is missing from the checkpoint{more}")
+    scheme = q8.parse(config.quantization_config)
+    fp8_parameters(config, scheme)  # one matmul is all fp8 or all float
+    reads = {r.name: r for p in params.values() for r in p.parts}
+    scales = {r.scale.name: r.name for r in reads.values() if r.scale is not None}
+
+    def missing(names: list[str], why=lambda name: "") -> None:
+        if names:
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            raise UserError(f"{ckpt.dir}: tensor {names[0]!r} is missing from the checkpoint{why(names[0])}{more}")
+
+    missing([n for n in full if n not in ckpt.location and n not in scales])
+    for name in full:  # fp8 exactly where the quantization_config says, before any scale is looked for
+        if name not in scales:
+            if ckpt.dtype(name) not in FLOAT_DTYPES:
+                raise UserError(f"{ckpt.file_of(name)}: tensor {name!r} has dtype {ckpt.dtype(name)}, "
+                                f"expected a floating-point dtype ({', '.join(FLOAT_DTYPES)})")
+            _check_fp8(ckpt, name, reads.get(name), scheme)
+    missing([n for n in scales if n not in ckpt.location], lambda n: f" (the fp8 scale of {scales[n]!r})")
     for name, shape in full.items():
-        if tuple(ckpt.shape(name)) != tuple(shape):
-            raise UserError(f"{ckpt.file_of(name)}: tensor {name!r} has shape {list(ckpt.shape(name))}, "
-                            f"expected {list(shape)} for this config")
-        if ckpt.file(name).dtype(name) not in FLOAT_DTYPES:
-            raise UserError(f"{ckpt.file_of(name)}: tensor {name!r} has dtype {ckpt.file(name).dtype(name)}, "
-                            f"expected a floating-point dtype ({', '.join(FLOAT_DTYPES)})")
+        stored = tuple(ckpt.shape(name))
+        if name in scales and scheme.block is None and stored == (*shape, 1):
+            continue  # row scales as compressed-tensors writes them: [out, 1]
+        if stored != tuple(shape):
+            why = " for this config"
+            if name in scales:
+                per = "output row" if scheme.block is None else "{}x{} block".format(*scheme.block)
+                why = f" (one scale per {per} of {scales[name]!r})"
+            raise UserError(f"{ckpt.file_of(name)}: tensor {name!r} has shape {list(stored)}, "
+                            f"expected {list(shape)}{why}")
+    for name in scales:
+        if ckpt.dtype(name) not in q8.SCALE_DTYPES:
+            raise UserError(f"{ckpt.file_of(name)}: fp8 scale {name!r} is {ckpt.dtype(name)}, expected one of "
+                            f"{', '.join(q8.SCALE_DTYPES)}")
     unexpected = sorted(n for n in ckpt.names if n not in full and not _is_mtp(n, config))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise UserError(f"{ckpt.file_of(unexpected[0])}: unexpected tensor {unexpected[0]!r}{more} "
                         f"(not part of a {config.num_hidden_layers}-layer glm4_moe model)")
     for p in params.values():
-        p.parts = [replace(part, source=ckpt.file(part.name)) for part in p.parts]
+        p.parts = [_attached(ckpt, part) for part in p.parts]
     return params
+
+
+def _attached(ckpt: Checkpoint, part: Part) -> Part:
+    """``part`` (and its scale read) with the shard holding it; row scales stored ``[..., out, 1]``
+    (compressed-tensors) are read through their one column."""
+    scale = part.scale
+    if scale is not None:
+        if part.block is None and len(ckpt.shape(scale.name)) > len(scale.index):
+            scale = replace(scale, index=(*scale.index, 0))
+        scale = replace(scale, source=ckpt.file(scale.name))
+    return replace(part, source=ckpt.file(part.name), scale=scale)
+
+
+def _check_fp8(ckpt: Checkpoint, name: str, read: Part | None, scheme: Fp8Scheme | None) -> None:
+    """A tensor is stored in fp8 exactly when the quantization_config says its module is quantized,
+    and then in e4m3."""
+    dtype = ckpt.dtype(name)
+    expected_fp8 = read is not None and read.scale is not None
+    if (dtype == q8.SAFETENSORS_FP8) if expected_fp8 else not dtype.startswith("F8_"):
+        return
+    where, module = ckpt.file_of(name), q8.module_of(name)
+    if expected_fp8:
+        raise UserError(f"{where}: tensor {name!r} is {dtype}, but quantization_config quantizes "
+                        f"{module!r} (expected {q8.SAFETENSORS_FP8} with {read.scale.name!r}; list the module in "
+                        f"its ignore list if it stays unquantized)")
+    if scheme is None:
+        why = "config.json has no quantization_config"
+    elif scheme.ignored(module):
+        why = f"quantization_config's ignore list names {module!r}"
+    else:
+        why = "only the Linear weights a quantization_config quantizes may be fp8"
+    raise UserError(f"{where}: tensor {name!r} is stored in fp8 ({dtype}), but {why}")
+
+
+def fp8_parameters(config: Glm4MoeConfig, scheme: Fp8Scheme | None) -> set[str]:
+    """The model's parameters whose weight is fp8 under ``scheme`` (decoder Linears only: the
+    embedding, LM head and routers stay in the model dtype); a matmul whose parts the scheme
+    quantizes differently is refused."""
+    if scheme is None:
+        return set()
+    params, _ = load_plan(dataclasses.replace(config, quantization_config=None), TPShard(config, 0, 1), set())
+    out = set()
+    for name, p in params.items():
+        if p.kind != "weight" or not name.startswith("layers."):
+            continue
+        quantized = {r.name: scheme.quantized(q8.module_of(r.name)) for r in p.parts}
+        if len(set(quantized.values())) > 1:
+            a = next(n for n, v in quantized.items() if v)
+            b = next(n for n, v in quantized.items() if not v)
+            raise UserError(f"quantization_config: {q8.module_of(a)!r} is quantized but {q8.module_of(b)!r} is "
+                            f"not; they form one matmul ({name}) and must be quantized alike")
+        if all(quantized.values()):
+            out.add(name)
+    return out
+
+
+def scale_parameter(name: str) -> str:
+    """The model's row-scale parameter beside an fp8 weight parameter (``...weight_scale``,
+    ``...experts.gate_up_proj_scale``)."""
+    return name + "_scale"
+
+
+def read_float32_into(out: np.ndarray, part: Part) -> None:
+    """``part``'s values into float32 ``out`` (any strides): floats widened as ``read_into`` does,
+    an fp8 weight decoded exactly (``glm_fused.quantization.decode_into``)."""
+    if part.scale is None:
+        part.source.read_into(out, part.name, part.index)
+        return
+    scale = part.scale.source.read(part.scale.name, part.scale.index)
+    q8.decode_into(out, part.source.view(part.name, part.index), scale, part.block, part.offset)
 
 
 def iter_rank_plan(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard,
@@ -306,11 +482,12 @@ def iter_rank_plan(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard,
 def iter_rank_weights(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard,
                       progress: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(parameter name, float32 array in this rank's shape)`` for every parameter: the plan
-    carried out in numpy (tools and tests; the model's loader copies into its parameters)."""
+    carried out in numpy, fp8 weights decoded (tools and tests; the model's loader copies into
+    its parameters)."""
     for name, p in iter_rank_plan(ckpt, config, shard, progress):
         value = np.empty(p.shape, dtype=np.float32)
         for part in p.parts:
-            part.source.read_into(value[part.dst], part.name, part.index)
+            read_float32_into(value[part.dst], part)
         yield name, value
 
 
@@ -324,13 +501,15 @@ def _progress(total_bytes: int):
 
 
 def load_rank_weights(model_dir: str | Path, config: Glm4MoeConfig, shard: TPShard,
-                      shapes: dict[str, tuple[int, ...]], write, progress: bool = False) -> int:
+                      shapes: dict[str, tuple[int, ...]], write, progress: bool = False,
+                      fp8: set[str] = frozenset()) -> int:
     """Hand this rank's plan, parameter by parameter, to ``write(name, parts)``, strictly; return
     the bytes of checkpoint data the parts read (as stored).
 
     ``shapes`` are the model's own parameters (name -> shape on this rank): every one must be
     written exactly once, with its shape, and the plan may name no other. ``write`` copies each
-    ``Part`` into the parameter (see ``Part``).
+    ``Part`` into the parameter (see ``Part``). ``fp8``: the parameters the model keeps in fp8;
+    ``write`` fills each one's row scales (``scale_parameter``) with it.
     """
     loaded: set[str] = set()
     nbytes = 0
@@ -345,6 +524,8 @@ def load_rank_weights(model_dir: str | Path, config: Glm4MoeConfig, shard: TPSha
         write(name, p.parts)
         nbytes += sum(part.nbytes for part in p.parts)
         loaded.add(name)
+        if name in fp8:
+            loaded.add(scale_parameter(name))
     missing = sorted(set(shapes) - loaded)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

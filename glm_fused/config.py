@@ -49,6 +49,8 @@ class Glm4MoeConfig:
     eos_token_id: list[int] = field(default_factory=list)
     dtype: str = "bfloat16"  # the checkpoint's stored dtype
     model_type: str = "glm4_moe"
+    # As the checkpoint's config.json has it (fp8 checkpoints); glm_fused.quantization reads it.
+    quantization_config: dict | None = None
 
     # ---- derived sizes -------------------------------------------------------------
     @property
@@ -122,6 +124,8 @@ class Glm4MoeConfig:
     def to_hf_dict(self, form: int = 5) -> dict:
         """The config as transformers writes it (form 4 or 5), for tests and tools."""
         out = {k: v for k, v in asdict(self).items() if k not in ("dtype", "rope_theta", "partial_rotary_factor")}
+        if out["quantization_config"] is None:  # transformers takes any quantization_config key for one
+            del out["quantization_config"]
         out["architectures"] = ["Glm4MoeForCausalLM"]
         if form == 4:
             out.update(rope_theta=self.rope_theta, partial_rotary_factor=self.partial_rotary_factor,
@@ -158,6 +162,9 @@ class Glm4MoeConfig:
             raise bad("first_k_dense_replace", f"is outside 0..num_hidden_layers={self.num_hidden_layers}")
         if self.tie_word_embeddings:
             raise bad("tie_word_embeddings", "is not supported (GLM-4.5 keeps a separate lm_head)")
+        from glm_fused.quantization import parse
+
+        parse(self.quantization_config, source)  # a format this code cannot read fails here, by name
 
     def check_tp(self, tp: int, flag: str = "--tp") -> None:
         """Refuse a tensor-parallel size that does not divide what it must, naming the value."""

@@ -20,6 +20,7 @@ from glm_fused.fused_op import FUSION_IMPLS, KERNEL_TP_SIZES
 
 DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 LOAD_FORMATS = ("safetensors", "dummy")
+QUANTIZATIONS = ("fp8",)
 BACKENDS = ("paddle", "torch")
 BACKEND_CHOICES = ("auto", *BACKENDS)
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default
@@ -41,6 +42,7 @@ class EngineArgs:
     dtype: str = "auto"                # auto: bfloat16 on GPU, float32 on CPU
     load_format: str = "safetensors"
     seed: int = 0                      # the global seed: dummy weights, and unseeded requests' sampling
+    quantization: str | None = None    # fp8: quantize a bf16 checkpoint at load; resolved: fp8 when the weights are
     # the engine
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int | None = None   # None: the model's limit where the KV cache holds it (settled by
@@ -90,6 +92,10 @@ class EngineArgs:
         g.add_argument("--seed", type=int, default=d.seed,
                        help="global seed: dummy weights, and the sampling of requests that bring no seed "
                             "(derived from it and the request's arrival number) (default 0)")
+        g.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                       help="fp8: e4m3 weights with one scale per output row, quantized at load from a bf16 "
+                            "checkpoint (an fp8 checkpoint, e.g. GLM-4.5-Air-FP8, is fp8 without it; with "
+                            "--load-format dummy: random fp8 weights)")
 
         g = parser.add_argument_group("engine")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
@@ -168,9 +174,17 @@ class EngineArgs:
             raise UserError(f"--load-format {self.load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
         if self.fusion_impl not in FUSION_IMPLS:  # only a caller of the API can get here
             raise UserError(f"fusion_impl {self.fusion_impl!r}: choose one of {', '.join(FUSION_IMPLS)}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise UserError(f"--quantization {self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
         found = resolve_model(self.model, load_format=self.load_format, revision=self.revision)
         config = Glm4MoeConfig.from_json_file(found.config_path)
         config.check_tp(self.tp)
+        from glm_fused.checkpoint import fp8_parameters
+        from glm_fused.quantization import scheme_for
+
+        scheme = scheme_for(config, self.quantization)
+        fp8_parameters(config, scheme)  # a scheme that splits a matmul fails here, by name
+        self.quantization = None if scheme is None else "fp8"
         if self.load_format == "safetensors" and found.path is None:
             raise UserError(f"--model {self.model}: no checkpoint found (use --load-format dummy for random weights)")
         self.model_dir = None if found.path is None else str(found.path)

@@ -35,12 +35,15 @@ def compare_logits(ref: np.ndarray, test: np.ndarray) -> dict:
         raise ValueError(f"logit shapes differ: {ref.shape} vs {test.shape}")
     diff = np.abs(ref - test)
     scale = float(np.abs(ref).max()) or 1.0
+    row_scale = np.abs(ref).max(axis=-1)
     kl = kl_divergence(ref, test)
     return {
         "positions": int(ref.shape[0]),
         "max_abs_diff": float(diff.max()),
         "mean_abs_diff": float(diff.mean()),
         "max_rel_diff": float(diff.max() / scale),  # relative to the largest logit
+        # each row's max |diff| relative to that row's largest logit, averaged over rows
+        "mean_row_rel_diff": float(np.mean(diff.max(axis=-1) / np.where(row_scale > 0, row_scale, 1.0))),
         "kl_mean": float(kl.mean()),
         "kl_max": float(kl.max()),
         "top1_agreement": topk_agreement(ref, test, 1),

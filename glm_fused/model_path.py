@@ -18,6 +18,7 @@ DEFAULT_ORG = "zai-org"
 # Lower-cased repo name -> (canonical repo id, config shipped in configs/ for dummy weights).
 KNOWN_MODELS = {
     "glm-4.5-air": ("zai-org/GLM-4.5-Air", "glm-4.5-air.json"),
+    "glm-4.5-air-fp8": ("zai-org/GLM-4.5-Air-FP8", "glm-4.5-air-fp8.json"),  # compressed-tensors channel fp8
     "glm-4.5": ("zai-org/GLM-4.5", "glm-4.5.json"),
 }
 _REPO_ID = re.compile(r"^(?:(?P<org>[A-Za-z0-9][\w.-]*)/)?(?P<name>[A-Za-z0-9][\w.-]*)$")

@@ -81,7 +81,8 @@ class ModelRunner:
         with F.device_scope(self.device):
             self.comm = F.dist.TPComm(tp_rank, tp_size)
             self.model = layers.Glm4MoeForCausalLM(config, tp_rank=tp_rank, tp_size=tp_size, fused=args.fused,
-                                                   comm=self.comm, dtype=args.dtype, max_position=args.max_model_len)
+                                                   comm=self.comm, dtype=args.dtype, max_position=args.max_model_len,
+                                                   quantization=args.quantization)
         self.load_stats = None  # LoadStats of this rank's checkpoint read (None with dummy weights)
         if args.load_format == "dummy":
             dummy_weights(self.model, args.seed)
@@ -277,6 +278,17 @@ class ModelRunner:
         if not self.args.fused:
             return "off"
         return "flashinfer" if self.comm.kernel is not None else "reference"
+
+    def weights(self) -> str:
+        """What the weights are: the model dtype, or fp8 (held as such, or dequantized where the
+        framework has no fp8 kernels for the device)."""
+        model = self.model
+        if model.quant is None:
+            return self.args.dtype
+        if model.fp8_params:
+            return model.quant.describe()
+        return (f"{model.quant.describe()}, held dequantized in {self.args.dtype} (fp8 kernels: torch, "
+                f"bfloat16, a CUDA GPU of sm89 or later)")
 
     def decode_mode(self) -> str:
         """How decode steps run: replayed CUDA graphs (with their batch sizes) or eager."""

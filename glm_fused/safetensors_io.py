@@ -27,7 +27,8 @@ import numpy as np
 
 from glm_fused.errors import UserError
 
-# How each stored dtype is viewed in numpy: bf16 and fp8 as their raw bits (numpy has neither).
+# How each stored dtype is viewed in numpy: bf16 and fp8 as their raw bits (numpy has neither;
+# an fp8 weight's value also needs the scales beside it: glm_fused.quantization.decode_into).
 RAW_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
     "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,

@@ -120,6 +120,66 @@ def test_logit_diff_fails_past_tolerance():
     assert _report([[1] * 6], same, stats, None, 1e-4, 0.99, args)["passed"]
 
 
+@pytest.mark.timeout(300)
+def test_logit_diff_fp32_reference_holds_the_same_weights(tiny, tmp_path):
+    """``--fp32-reference`` on a bf16 checkpoint: fused and unfused bf16 are each measured against
+    an fp32 run of the same weights on the same ranks. That run must equal a plain fp32 run of
+    the checkpoint (its bf16 weights widen exactly): within 1e-5 of the largest logit (TP 2 vs
+    TP 1, summation order only)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from glm_fused.batch import ForwardBatch
+    from glm_fused.engine_args import EngineArgs
+    from glm_fused.runner import ModelRunner
+
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(tiny, bf16)
+    for shard in bf16.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) if "e_score" not in k else v for k, v in load_file(str(shard)).items()},
+                  str(shard))
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([[5, 9, 300, 41, 8], [17, 2, 600]]))
+    out, npz = tmp_path / "out.json", tmp_path / "logits.npz"
+    proc = run_script("logit_diff.py", "--model", bf16, "--tp", 2, "--backend", "torch", "--dtype", "bfloat16",
+                      "--prompt-ids", ids, "--fp32-reference", "--max-new-tokens", 2, "--json", out,
+                      "--save-logits", npz)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    v = report["vs_fp32"]
+    for tag in ("fused", "unfused"):  # bf16 compute is off fp32 by rounding, not more
+        assert 0 < v[tag]["mean_row_rel_diff"] < 5e-2 and v[tag]["top1_agreement"] >= 0.75, v[tag]
+    assert v["error_ratio"] <= 1.1 and "fused / unfused error to fp32" in proc.stdout
+    settings = EngineArgs(model=str(bf16), backend="torch", device="cpu", dtype="float32", max_num_seqs=1,
+                          max_model_len=16, max_num_batched_tokens=16).resolve()
+    settings.num_gpu_blocks_override = settings.slot_blocks()
+    runner = ModelRunner(settings, settings.config(), tp_rank=0, tp_size=1)
+    with np.load(npz) as data:
+        for i, prompt in enumerate(json.loads(ids.read_text())):
+            plain = runner.forward(ForwardBatch.prefill([prompt], runner.slot_tables([0]), all_logits=True))
+            assert np.abs(data[f"fp32_{i}"] - plain).max() / np.abs(plain).max() <= 1e-5
+    runner.close()
+    assert not proc.leftovers
+
+
+def test_logit_diff_fp32_reference_judges_the_error_ratio():
+    from glm_fused.cli.logit_diff import _report
+
+    rng = np.random.default_rng(1)
+    ref = rng.normal(size=(6, 50))
+    unfused = (ref + 0.01 * rng.normal(size=ref.shape)).astype(np.float32)
+    results = {"fp32_0": ref.astype(np.float32), "unfused_0": unfused, "fused_0": unfused.copy(),
+               "fused_greedy_0": np.array([1]), "unfused_greedy_0": np.array([1])}
+    stats = {"fused": {"fused_allreduce_norm_calls": 9, "plain_allreduce_calls": 0},
+             "unfused": {"fused_allreduce_norm_calls": 0, "plain_allreduce_calls": 9}}
+    args = {"backend": "torch", "tp": 2, "dtype": "bfloat16"}
+    report = _report([[1] * 6], results, stats, None, 1e-1, 0.5, args, max_error_ratio=1.1)
+    assert report["passed"] and report["vs_fp32"]["error_ratio"] == pytest.approx(1.0)
+    worse = dict(results, fused_0=(ref + 0.02 * rng.normal(size=ref.shape)).astype(np.float32))
+    report = _report([[1] * 6], worse, stats, None, 1e-1, 0.5, args, max_error_ratio=1.1)
+    assert not report["passed"] and report["vs_fp32"]["error_ratio"] > 1.5
+
+
 # ---- user mistakes: one line naming the culprit, exit 2, nothing left running ---------------
 
 def _digest(folder: Path) -> dict:

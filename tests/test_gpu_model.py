@@ -9,7 +9,9 @@ What each checks (tolerances are the sections' own, stated in gpu_check.py / ben
 * tp4: that checkpoint at TP 4 as four processes sharing GPU 0: every fused call served by
   FlashInfer, no plain all-reduce, fused vs unfused within TP4_RULE (bf16 at real sizes).
 * bench: the per-layer benchmark runs for every case, and our layer computes what
-  transformers' layer computes with the same weights.
+  transformers' layer computes with the same weights (the fp8 layer within 5e-2, the fp8 rule).
+* fp8: the accuracy rule of bench/fp8_accuracy.py at real width, 4 layers: the fp8 model's mean
+  row error to fp32 at most 8x the bf16 model's, on the same weights.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def test_bench_layers_runs_and_layers_agree(cuda, tmp_path):
 
     out = bench_layers.run(bench_layers.parse_args(
         ["--prefill", "512", "--decode-batches", "1,8", "--context", "256", "--iters", "3", "--warmup", "1",
-         "--impls", "ours,ours-eager,ours-v0,hf-eager",
+         "--impls", "ours,ours-eager,ours-v0,ours-fp8,hf-eager",
          "--json", str(tmp_path / "bench.json")]))
     assert out["copy_bandwidth_GBps"] > 0 and out["matrix_TFLOPs"] > 0
     for case in out["cases"]:
@@ -78,3 +80,17 @@ def test_bench_layers_runs_and_layers_agree(cuda, tmp_path):
             cmp = case["impls"][impl]["vs_reference"]
             assert not cmp["nan"]
             assert cmp["row_rel_p50"] <= 2e-2, (case["layer"], case["step"], impl, cmp)
+        fp8 = case["impls"]["ours-fp8"]  # the same weights quantized per row, activations per token
+        assert fp8["ms"] > 0 and case["fp8_floor_ms"] < case["floor_ms"] and not fp8["vs_reference"]["nan"]
+        assert fp8["vs_reference"]["row_rel_p50"] <= 5e-2, (case["layer"], case["step"], fp8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fp8_accuracy_rule_at_real_width(cuda, tmp_path):
+    from bench import fp8_accuracy
+
+    out = fp8_accuracy.run(fp8_accuracy.build_parser().parse_args(
+        ["--layers", "4", "--json", str(tmp_path / "fp8_accuracy.json")]))
+    assert out["vs_fp32"]["fp8"]["top1_agreement"] > 0 and out["vs_fp32"]["bfloat16"]["top1_agreement"] > 0
+    assert out["passed"], out  # fp8 / bf16 mean row error to fp32 <= 8

@@ -51,7 +51,8 @@ def _from_torch(backend: str, t: torch.Tensor):
 
 def _set(backend: str, param, values: torch.Tensor) -> None:
     """Fill a parameter with ``values`` (cast to its dtype), as the loader does."""
-    get_backend(backend).OPS.copy_into(param, values.double().numpy().astype(np.float32))
+    ops = get_backend(backend).OPS
+    ops.assign(param, ops.tensor(values.double().numpy().astype(np.float32), like=param))
 
 
 # ---- the router: fp32 logits whatever the model dtype --------------------------------------

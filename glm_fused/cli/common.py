@@ -41,6 +41,7 @@ class Rank:
         a, runner = self.args, self.runner
         kv = runner.kv
         return {"backend": a.backend, "device": a.device, "tp": self.world, "dtype": a.dtype,
+                "weights": runner.weights(),
                 "layout": "fused" if a.fused else "unfused", "fusion": runner.fusion_impl(),
                 "decode": runner.decode_mode(),
                 "max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len,
@@ -72,8 +73,8 @@ class Rank:
                 fusion = "reference (all-reduce + add + RMSNorm" + (f"; {why})" if why else ")")
         backend = a.backend + (f" ({a.backend_reason})" if a.backend_reason else "")
         return (f"backend={backend} device={a.device} tp={self.world} dtype={a.dtype} "
-                f"layout={'fused' if a.fused else 'unfused'} fusion={fusion}; {runner.kv.describe()}; "
-                f"prefix caching {'on' if a.enable_prefix_caching else 'off'}; "
+                f"weights={runner.weights()} layout={'fused' if a.fused else 'unfused'} fusion={fusion}; "
+                f"{runner.kv.describe()}; prefix caching {'on' if a.enable_prefix_caching else 'off'}; "
                 f"max {a.max_num_seqs} sequences, {a.max_num_batched_tokens} tokens per step; "
                 f"decode {runner.decode_mode()}")
 

@@ -3,6 +3,12 @@
 Both models run on the same ranks with the same weights, one after the other (only one
 model is in memory at a time). Rank 0 writes the logits to a private file; this process
 computes the metrics (``glm_fused.metrics``), prints the table and decides the exit code.
+
+``--fp32-reference``: the same weights also run in float32 (classic layout, plain all-reduces)
+on the same ranks, beside the fused model (its weights are copied: a bf16 model's exactly, an
+fp8 model's dequantized), so each of fused and unfused is measured against one yardstick and
+the tool can say which side is off; the fused model's mean row error to fp32 may then be at
+most ``--max-error-ratio`` times the unfused model's.
 """
 
 from __future__ import annotations
@@ -56,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-top1", type=float, default=None,
                    help="smallest allowed top-1 agreement (default "
                         f"{DEFAULT_MIN_TOP1['float32']} for float32, {DEFAULT_MIN_TOP1['bfloat16']} for bfloat16)")
+    p.add_argument("--fp32-reference", action="store_true",
+                   help="also run the same weights in float32 (unfused) on the same ranks and measure fused and "
+                        "unfused each against it")
+    p.add_argument("--max-error-ratio", type=float, default=1.1,
+                   help="with --fp32-reference: largest allowed (fused mean row error to fp32) / (unfused mean row "
+                        "error to fp32) (default 1.1)")
     p.add_argument("--hf-reference", action="store_true",
                    help="also compare both against transformers' Glm4MoeForCausalLM (torch, needs the "
                         "whole model in this process's memory: small checkpoints only)")
@@ -141,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--unfused: logit_diff always runs both layouts; drop the flag")
         if args.max_new_tokens < 0:
             raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
+        if not args.max_error_ratio > 0:
+            raise UserError(f"--max-error-ratio {args.max_error_ratio}: must be positive")
         _check_outputs(args)
         spec = resolve_model(args.model, load_format=args.load_format)
         config = Glm4MoeConfig.from_json_file(args.config_path)
@@ -175,12 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    report = _report(args.prompts, results, stats, hf, args.tolerance, args.min_top1, vars(args))
+    report = _report(args.prompts, results, stats, hf, args.tolerance, args.min_top1, vars(args),
+                     args.max_error_ratio if args.fp32_reference else None)
     _print_report(report)
     if args.json:
         _atomic_write(Path(args.json), lambda f: f.write(json.dumps(report, indent=2).encode()))
     if args.save_logits:
-        arrays = {k: v for k, v in results.items() if k.startswith(("fused_", "unfused_")) and "greedy" not in k}
+        arrays = {k: v for k, v in results.items()
+                  if k.startswith(("fused_", "unfused_", "fp32_")) and "greedy" not in k}
         if hf is not None:
             arrays.update({f"transformers_{i}": v for i, v in enumerate(hf)})
         _atomic_write(Path(args.save_logits), lambda f: np.savez(f, **arrays))
@@ -202,21 +218,28 @@ def _atomic_write(path: Path, write) -> None:
 
 def worker(args: dict) -> None:
     import argparse
+    import dataclasses
 
     from glm_fused.batch import ForwardBatch
     from glm_fused.cli import common
+    from glm_fused.model.loader import copy_weights
+    from glm_fused.runner import ModelRunner
 
     ns = argparse.Namespace(**args)
     out: dict[str, np.ndarray] = {}
     stats = {}
     rank = common.Rank(ns)
+
+    def prefill(runner, prompt):
+        return runner.forward(ForwardBatch.prefill([prompt], runner.slot_tables([0]), all_logits=True))
+
     for fused in (True, False):
         tag = "fused" if fused else "unfused"
         rank.args.fused = fused
         runner = rank.build_runner()
         try:
             for i, prompt in enumerate(ns.prompts):
-                logits = runner.forward(ForwardBatch.prefill([prompt], runner.slot_tables([0]), all_logits=True))
+                logits = prefill(runner, prompt)
                 if i == 0:
                     stats[tag] = runner.fusion_stats()  # one prefill forward
                 out[f"{tag}_{i}"] = logits
@@ -229,6 +252,16 @@ def worker(args: dict) -> None:
                         stats[f"{tag}_decode_mode"] = runner.decode_mode()
                     tokens.append(int(step[0].argmax()))
                 out[f"{tag}_greedy_{i}"] = np.asarray(tokens, dtype=np.int64)
+            if fused and ns.fp32_reference:  # the same weights in fp32, beside this model for the copy
+                settings = dataclasses.replace(rank.args, dtype="float32", fused=False, fusion_impl="reference",
+                                               load_format="dummy")
+                reference = ModelRunner(settings, rank.config, tp_rank=rank.rank, tp_size=rank.world)
+                try:
+                    copy_weights(runner.model, reference.model)
+                    for i, prompt in enumerate(ns.prompts):
+                        out[f"fp32_{i}"] = prefill(reference, prompt)
+                finally:
+                    reference.close()
         finally:
             runner.close()
             rank.runner = runner = None
@@ -254,10 +287,10 @@ def _hf_reference(spec, prompts) -> list[np.ndarray]:
         return [model(torch.tensor([p])).logits[0].float().numpy() for p in prompts]
 
 
-def _report(prompts, results, stats, hf, tolerance, min_top1, run_args) -> dict:
+def _report(prompts, results, stats, hf, tolerance, min_top1, run_args, max_error_ratio=None) -> dict:
     from glm_fused import metrics
 
-    rows, hf_rows = [], []
+    rows, hf_rows, fp32_rows = [], [], []
     for i, prompt in enumerate(prompts):
         fused, unfused = results[f"fused_{i}"], results[f"unfused_{i}"]
         row = metrics.compare_logits(unfused, fused)
@@ -267,8 +300,20 @@ def _report(prompts, results, stats, hf, tolerance, min_top1, run_args) -> dict:
         if hf is not None:
             hf_rows.append({"fused": metrics.compare_logits(hf[i], fused),
                             "unfused": metrics.compare_logits(hf[i], unfused)})
+        if f"fp32_{i}" in results:
+            fp32_rows.append({tag: metrics.compare_logits(results[f"fp32_{i}"], results[f"{tag}_{i}"])
+                              for tag in ("fused", "unfused")})
     overall = metrics.aggregate(rows)
     passed = overall["max_rel_diff"] <= tolerance and overall["top1_agreement"] >= min_top1
+    vs_fp32 = None
+    if fp32_rows:
+        vs_fp32 = {tag: metrics.aggregate([r[tag] for r in fp32_rows]) for tag in ("fused", "unfused")}
+        unfused_error = vs_fp32["unfused"]["mean_row_rel_diff"]
+        vs_fp32["max_error_ratio"] = max_error_ratio
+        # None: the unfused model computes in fp32 with plain all-reduces - it is the reference itself
+        vs_fp32["error_ratio"] = vs_fp32["fused"]["mean_row_rel_diff"] / unfused_error if unfused_error else None
+        if vs_fp32["error_ratio"] is not None:
+            passed = passed and vs_fp32["error_ratio"] <= max_error_ratio
     fusion = dict(stats["fused"])
     fusion["per_decode_step"] = stats.get("fused_decode")
     fusion["decode_mode"] = stats.get("fused_decode_mode")  # CUDA graphs or eager
@@ -283,6 +328,8 @@ def _report(prompts, results, stats, hf, tolerance, min_top1, run_args) -> dict:
         "fusion": fusion,
         "passed": bool(passed),
     }
+    if vs_fp32 is not None:
+        report["vs_fp32"] = vs_fp32
     if hf is not None:
         report["vs_transformers"] = {
             "fused": metrics.aggregate([r["fused"] for r in hf_rows]),
@@ -317,6 +364,16 @@ def _print_report(report: dict) -> None:
         for tag, m in report["vs_transformers"].items():
             print(f"vs transformers ({tag}): max|d| {m['max_abs_diff']:.2e}  max rel {m['max_rel_diff']:.2e}  "
                   f"top1 {m['top1_agreement']:.4f}")
+    if "vs_fp32" in report:
+        v = report["vs_fp32"]
+        for tag in ("fused", "unfused"):
+            m = v[tag]
+            print(f"vs fp32, same weights ({tag}): mean row error {m['mean_row_rel_diff']:.2e}  max rel "
+                  f"{m['max_rel_diff']:.2e}  KL {m['kl_mean']:.2e}  top1 {m['top1_agreement']:.4f}")
+        if v["error_ratio"] is None:
+            print("fused / unfused error to fp32: n/a (the unfused model runs in fp32: it is the reference)")
+        else:
+            print(f"fused / unfused error to fp32: {v['error_ratio']:.3f} (limit {v['max_error_ratio']:g})")
     tol = report["tolerance"]
     verdict = "PASS" if report["passed"] else "FAIL"
     print(f"{verdict}: max rel diff {report['overall']['max_rel_diff']:.2e} (limit {tol['max_rel_diff']:g}), "

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from glm_fused import quantization as q8
 from glm_fused.batch import ForwardBatch
+from glm_fused.checkpoint import fp8_parameters
 from glm_fused.config import Glm4MoeConfig
 from glm_fused.model.attention import Attention, AttentionMetadata  # noqa: F401  (layer classes)
 from glm_fused.model.embedding import ParallelLMHead, VocabParallelEmbedding  # noqa: F401
@@ -30,16 +32,18 @@ from glm_fused.model.linear import ColumnParallelLinear, QKVParallelLinear, RowP
 from glm_fused.model.module import Module
 from glm_fused.model.moe import MLP, MoE  # noqa: F401
 from glm_fused.model.rotary import RotaryEmbedding  # noqa: F401
+from glm_fused.quantization import scheme_for
 from glm_fused.sharding import TPShard
 
 
 class Glm4MoeAttention(Module):
-    def __init__(self, config: Glm4MoeConfig, shard: TPShard, comm, fused: bool, rotary_emb, dtype: str):
+    def __init__(self, config: Glm4MoeConfig, shard: TPShard, comm, fused: bool, rotary_emb, dtype: str,
+                 fp8: frozenset[str] = frozenset()):
         super().__init__()
         nn, D = self.nn, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, D
         self.qkv_proj = nn.QKVParallelLinear(config.hidden_size, D, self.num_heads, self.num_kv_heads,
-                                             bias=config.attention_bias, dtype=dtype)
+                                             bias=config.attention_bias, dtype=dtype, fp8="qkv_proj" in fp8)
         self.use_qk_norm = config.use_qk_norm
         if self.use_qk_norm:  # per-head RMSNorm over head_dim, before RoPE
             self.q_norm = nn.RMSNorm(D, config.rms_norm_eps, dtype)
@@ -47,7 +51,7 @@ class Glm4MoeAttention(Module):
         self.attn = nn.Attention(self.num_heads, self.num_kv_heads, D, D ** -0.5, rotary_emb)
         # The fused layout leaves the all-reduce to post_attention_layernorm.
         self.o_proj = nn.RowParallelLinear(self.num_heads * D, config.hidden_size, comm,
-                                           reduce_results=not fused, dtype=dtype)
+                                           reduce_results=not fused, dtype=dtype, fp8="o_proj" in fp8)
 
     def forward(self, positions, x, meta: AttentionMetadata, kv_cache):
         T = x.shape[0]
@@ -66,18 +70,26 @@ class Glm4MoeDecoderLayer(Module):
     """Pre-norm block: attention, then a dense MLP (first layers) or the MoE."""
 
     def __init__(self, config: Glm4MoeConfig, layer_idx: int, shard: TPShard, comm, fused: bool, rotary_emb,
-                 dtype: str):
+                 dtype: str, fp8: frozenset[str] = frozenset()):
+        """``fp8``: which of the layer's weights are e4m3, by name within the layer
+        (``self_attn.qkv_proj``, ``mlp.experts.gate_up_proj``, ...)."""
         super().__init__()
         nn = self.nn
         self.comm, self.fused = comm, fused
         H, eps = config.hidden_size, config.rms_norm_eps
+
+        def within(prefix: str) -> frozenset[str]:
+            return frozenset(n.removeprefix(prefix) for n in fp8 if n.startswith(prefix))
+
         self.input_layernorm = nn.RMSNorm(H, eps, dtype)
-        self.self_attn = nn.Glm4MoeAttention(config, shard, comm, fused, rotary_emb, dtype)
+        self.self_attn = nn.Glm4MoeAttention(config, shard, comm, fused, rotary_emb, dtype, within("self_attn."))
         self.post_attention_layernorm = nn.RMSNorm(H, eps, dtype)
+        mlp = within("mlp.")
         if config.is_moe_layer(layer_idx):
-            self.mlp = nn.MoE(config, shard, comm, reduce_results=not fused, dtype=dtype)
+            self.mlp = nn.MoE(config, shard, comm, reduce_results=not fused, dtype=dtype, fp8=mlp)
         else:
-            self.mlp = nn.MLP(H, shard.intermediate_size, comm, reduce_results=not fused, dtype=dtype)
+            self.mlp = nn.MLP(H, shard.intermediate_size, comm, reduce_results=not fused, dtype=dtype,
+                              fp8=("gate_up_proj" in mlp, "down_proj" in mlp))
 
     def forward(self, positions, hidden, residual, meta, kv_cache):
         """``hidden`` is the previous block's output (a partial sum when fused); returns the same."""
@@ -88,14 +100,26 @@ class Glm4MoeDecoderLayer(Module):
 
 
 class Glm4MoeModel(Module):
-    """Embedding, decoder layers, final norm: ``forward`` returns normed hidden states."""
+    """Embedding, decoder layers, final norm: ``forward`` returns normed hidden states.
+
+    fp8 (``glm_fused.quantization``): with an fp8 checkpoint's config, or ``quantization="fp8"``,
+    the decoder Linears are fp8. ``quant`` is the scheme, ``quantized`` the parameters it makes
+    fp8, ``fp8_params`` those this model holds as e4m3 codes with row scales: all of them where
+    the framework has fp8 kernels for the device and dtype (``Ops.keeps_fp8``: torch, bf16,
+    CUDA), none elsewhere (CPU, Paddle, fp32), where the loader hands them over dequantized
+    (or, quantized at load, rounded through fp8) and the model computes in ``dtype``.
+    """
 
     def __init__(self, config: Glm4MoeConfig, *, tp_rank: int = 0, tp_size: int = 1, fused: bool = True,
-                 comm=None, dtype: str = "float32", max_position: int | None = None):
+                 comm=None, dtype: str = "float32", max_position: int | None = None,
+                 quantization: str | None = None):
         super().__init__()
         nn, F = self.nn, self.F
         self.config, self.fused = config, fused
         self.dtype = F.check_dtype(dtype)
+        self.quant = scheme_for(config, quantization)
+        self.quantized = fp8_parameters(config, self.quant)
+        self.fp8_params = self.quantized if self.quantized and F.keeps_fp8(self.dtype) else set()
         self.shard = TPShard(config, tp_rank, tp_size)
         self.comm = comm if comm is not None else F.dist.TPComm.from_env(tp_rank, tp_size)
         if (self.comm.rank, self.comm.size) != (tp_rank, tp_size):
@@ -105,8 +129,9 @@ class Glm4MoeModel(Module):
         self.embed_tokens = nn.VocabParallelEmbedding(*s.vocab(), c.hidden_size, self.comm,
                                                       reduce_results=not fused, dtype=d)
         rotary_emb = nn.RotaryEmbedding(c.head_dim, c.rotary_dim, self.max_position, c.rope_theta)  # shared
-        self.layers = nn.ModuleList([nn.Glm4MoeDecoderLayer(c, i, s, self.comm, fused, rotary_emb, d)
-                                     for i in range(c.num_hidden_layers)])
+        self.layers = nn.ModuleList([nn.Glm4MoeDecoderLayer(c, i, s, self.comm, fused, rotary_emb, d, frozenset(
+            q8.module_of(n).removeprefix(f"layers.{i}.") for n in self.fp8_params if n.startswith(f"layers.{i}.")))
+            for i in range(c.num_hidden_layers)])
         self.norm = nn.RMSNorm(c.hidden_size, c.rms_norm_eps, d)
 
     def forward(self, input_ids, positions, batch: ForwardBatch, kv_caches: list):
@@ -147,9 +172,10 @@ class Glm4MoeForCausalLM(Glm4MoeModel):
     """The decoder stack plus a vocab-parallel LM head (not tied to the embedding)."""
 
     def __init__(self, config: Glm4MoeConfig, *, tp_rank: int = 0, tp_size: int = 1, fused: bool = True,
-                 comm=None, dtype: str = "float32", max_position: int | None = None):
+                 comm=None, dtype: str = "float32", max_position: int | None = None,
+                 quantization: str | None = None):
         super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, fused=fused, comm=comm, dtype=dtype,
-                         max_position=max_position)
+                         max_position=max_position, quantization=quantization)
         self.lm_head = self.nn.ParallelLMHead(*self.shard.vocab(), config.hidden_size, self.comm,
                                               dtype=self.dtype)
 
@@ -188,9 +214,10 @@ class Glm4MoeForCausalLM(Glm4MoeModel):
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, tp_rank: int = 0, tp_size: int = 1, fused: bool = True,
                         dtype: str = "float32", comm=None, device=None, max_position: int | None = None,
-                        progress: bool = False) -> "Glm4MoeForCausalLM":
+                        progress: bool = False, quantization: str | None = None) -> "Glm4MoeForCausalLM":
         """Build this rank's model and load its weights from a safetensors checkpoint directory
-        (or ``glm-4.5-air-tiny``, the built-in tiny checkpoint).
+        (or ``glm-4.5-air-tiny``, the built-in tiny checkpoint). An fp8 checkpoint loads as fp8
+        (on CPU and in Paddle: dequantized); ``quantization="fp8"`` quantizes a bf16 one at load.
 
         For ``tp_size > 1`` every rank calls this with its own ``tp_rank`` after the launcher
         (or torchrun / ``paddle.distributed.launch``) set up the environment; the process group
@@ -207,7 +234,7 @@ class Glm4MoeForCausalLM(Glm4MoeModel):
         config.check_tp(tp_size, flag="tp_size")
         with F.device_scope(device):
             model = cls(config, tp_rank=tp_rank, tp_size=tp_size, fused=fused, comm=comm, dtype=dtype,
-                        max_position=max_position)
+                        max_position=max_position, quantization=quantization)
         load_weights(model, resolved.path, progress=progress)
         model.eval()
         return model

@@ -7,11 +7,19 @@ attention). The *composites* below (RMSNorm, RoPE and the KV-cache write, attent
 the router, the MoE) are the model's maths, written here once from those primitives; a
 framework may replace a composite with a kernel that computes the same function (the torch
 backend's Triton kernels on CUDA), and nothing else.
+
+A weight is a framework tensor, or an ``Fp8Weight`` (e4m3 codes and one scale per output row)
+where the model keeps fp8 weights (``keeps_fp8``). The composites take either kind; written
+here, an fp8 weight is used as its dequantized value (``linear_fp8``), and a framework's fp8
+kernels add what makes them fast: activations quantized per token, fp8 products.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from glm_fused.quantization import AMAX_EPS, FP8_DTYPE, FP8_MAX
 
 
 @dataclass(frozen=True)
@@ -24,6 +32,22 @@ class Routing:
     topk_group: int
     norm_topk_prob: bool
     scale: float  # routed_scaling_factor
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """An fp8 weight: e4m3 ``codes [..., out, in]`` and a float32 ``scale [..., out]`` per output
+    row; its value is ``codes * scale[..., None]``. Indexing picks experts of a stacked weight."""
+
+    codes: Any
+    scale: Any
+
+    @property
+    def shape(self):
+        return self.codes.shape
+
+    def __getitem__(self, index) -> "Fp8Weight":
+        return Fp8Weight(self.codes[index], self.scale[index])
 
 
 class Ops:
@@ -50,6 +74,8 @@ class Ops:
     def device_of(self, x): raise NotImplementedError
     def check_dtype(self, dtype, flag: str = "--dtype") -> str: raise NotImplementedError
     def weight_writer(self, device): raise NotImplementedError  # copies checkpoint.Part slices into parameters
+    def assign(self, dst, src) -> None: raise NotImplementedError  # a tensor's values into a parameter (or its slice)
+    def keeps_fp8(self, dtype: str) -> bool: raise NotImplementedError  # fp8 weights for a model in dtype, where parameters land?
     def fill(self, param, value: float) -> None: raise NotImplementedError
     def fill_normal(self, param, std: float, key: str) -> None: raise NotImplementedError  # seeded by key
     # maths and shapes (torch's semantics)
@@ -58,6 +84,9 @@ class Ops:
     def silu(self, x): raise NotImplementedError
     def sigmoid(self, x): raise NotImplementedError
     def rsqrt(self, x): raise NotImplementedError
+    def abs(self, x): raise NotImplementedError
+    def amax(self, x, dim: int): raise NotImplementedError
+    def clamp(self, x, min: float | None = None, max: float | None = None): raise NotImplementedError
     def mean(self, x, dim: int, keepdim: bool = False): raise NotImplementedError
     def sum(self, x, dim: int, keepdim: bool = False): raise NotImplementedError
     def cat(self, xs: list, dim: int): raise NotImplementedError
@@ -79,6 +108,29 @@ class Ops:
     # ---- composites: the model's maths ---------------------------------------------------
     def float32(self, x):
         return self.cast(x, "float32")
+
+    # fp8 weights (glm_fused.quantization has the formats)
+    def quantize_fp8(self, w) -> Fp8Weight:
+        """Per output row: ``scale = max|row| / 448``, codes ``w / scale`` rounded to e4m3 (the
+        one quantization of weights: ``--quantization fp8``, block scales made row scales, dummy
+        weights; the kernels quantize activations per token by the same rule)."""
+        wf = self.float32(w)
+        scale = self.clamp(self.amax(self.abs(wf), -1), min=AMAX_EPS) / FP8_MAX
+        return Fp8Weight(self.cast(self.clamp(wf / scale.unsqueeze(-1), -FP8_MAX, FP8_MAX), FP8_DTYPE), scale)
+
+    def dequantize_fp8(self, w: Fp8Weight, dtype: str = "float32"):
+        return self.cast(self.float32(w.codes) * w.scale.unsqueeze(-1), dtype)
+
+    def linear_fp8(self, x, w: Fp8Weight, bias=None):
+        """``x @ (codes * scale)^T (+ bias)``: an fp8 Linear as the model's maths (activations as
+        they come; the CUDA path quantizes them per token and multiplies in fp8)."""
+        return self.linear(x, self.dequantize_fp8(w, self.dtype_name(x)), bias)
+
+    def project(self, x, weight, bias=None):
+        """A Linear with either kind of weight."""
+        if isinstance(weight, Fp8Weight):
+            return self.linear_fp8(x, weight, bias)
+        return self.linear(x, weight, bias)
 
     def rms_norm(self, x, weight, eps: float):
         """fp32 statistics; cast back to the input dtype BEFORE the weight multiply (as transformers)."""
@@ -175,13 +227,14 @@ class Ops:
 
     def swiglu(self, x, gate_up, down):
         """``down(silu(gate(x)) * up(x))`` with ``gate_up = [gate rows; up rows]``."""
-        gate, up = self.split(self.linear(x, gate_up), [gate_up.shape[0] // 2] * 2, -1)
-        return self.linear(self.silu_and_mul(gate, up), down)
+        gate, up = self.split(self.project(x, gate_up), [gate_up.shape[0] // 2] * 2, -1)
+        return self.project(self.silu_and_mul(gate, up), down)
 
     def moe(self, x, router_logits, bias, routing: Routing, gate_up, down, expert_range: tuple[int, int],
             shared_gate_up, shared_down):
         """Routed experts (stacked ``gate_up [E_local, 2I, H]``, ``down [E_local, H, I]`` holding
-        experts ``expert_range``) plus the shared expert, summed: this rank's partial output."""
+        experts ``expert_range``; tensors or ``Fp8Weight``s) plus the shared expert, summed: this
+        rank's partial output."""
         weights, ids = self.route(router_logits, bias, routing)
         return (self.routed_experts(x, gate_up, down, weights, ids, expert_range)
                 + self.swiglu(x, shared_gate_up, shared_down))

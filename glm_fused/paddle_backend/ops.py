@@ -99,6 +99,13 @@ class PaddleOps(Ops):
 
         return PaddleWeightWriter(device)
 
+    def assign(self, dst, src) -> None:
+        dst.set_value(src.astype(dst.dtype))
+
+    def keeps_fp8(self, dtype: str) -> bool:
+        # No fp8 kernels of this project in Paddle: fp8 checkpoints load dequantized.
+        return False
+
     def fill(self, param, value: float) -> None:
         param.set_value(paddle.full(param.shape, value, dtype=param.dtype))
 
@@ -129,6 +136,15 @@ class PaddleOps(Ops):
 
     def rsqrt(self, x):
         return paddle.rsqrt(x)
+
+    def abs(self, x):
+        return paddle.abs(x)
+
+    def amax(self, x, dim):
+        return x.max(axis=dim)
+
+    def clamp(self, x, min=None, max=None):
+        return paddle.clip(x, min, max)
 
     def mean(self, x, dim, keepdim=False):
         return x.mean(axis=dim, keepdim=keepdim)

@@ -9,6 +9,7 @@ the kernels are tested against).
 from __future__ import annotations
 
 import contextlib
+import logging
 import zlib
 
 import numpy as np
@@ -18,11 +19,26 @@ from torch import nn
 
 from glm_fused.errors import UserError
 from glm_fused.model.module import bind
-from glm_fused.model.ops import Ops, Routing
+from glm_fused.model.ops import Fp8Weight, Ops, Routing
 from glm_fused.torch_backend import dist, kernels
 
+log = logging.getLogger("glm_fused.torch_backend")
+_said: set[str] = set()
+
+
+def _fallback_once(reason: str) -> None:
+    if reason not in _said:
+        _said.add(reason)
+        log.warning("%s", reason)
+
+
+def _codes(w):
+    """The tensor a kernel reads: an fp8 weight's codes, or the weight itself."""
+    return w.codes if isinstance(w, Fp8Weight) else w
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
-          "int32": torch.int32, "bool": torch.bool}
+          "int32": torch.int32, "bool": torch.bool, "float8_e4m3fn": torch.float8_e4m3fn}
+FP8_MIN_SM = 89  # fp8 tensor cores (Ada, Hopper and later): where _scaled_mm and fp8 tl.dot run
 
 
 def _int64(c: int) -> int:
@@ -124,6 +140,19 @@ class TorchOps(Ops):
 
         return TorchWeightWriter(device)
 
+    def assign(self, dst, src) -> None:
+        dst.copy_(src)
+
+    def keeps_fp8(self, dtype: str) -> bool:
+        """fp8 weights where the fp8 kernels run: a bf16 model on a CUDA device with fp8 tensor
+        cores (row-wise ``_scaled_mm`` gives bf16; an fp32 model is a reference and holds its
+        weights dequantized), or any model under Triton's CPU interpreter (tests)."""
+        if kernels.interpreting():
+            return True
+        device = torch.get_default_device()
+        return (dtype == "bfloat16" and device.type == "cuda" and kernels.triton_available()
+                and self.gpu_sm(device) >= FP8_MIN_SM)
+
     def fill(self, param, value: float) -> None:
         param.fill_(value)
 
@@ -147,6 +176,15 @@ class TorchOps(Ops):
 
     def rsqrt(self, x):
         return torch.rsqrt(x)
+
+    def abs(self, x):
+        return x.abs()
+
+    def amax(self, x, dim):
+        return x.amax(dim)
+
+    def clamp(self, x, min=None, max=None):
+        return x.clamp(min, max)
 
     def mean(self, x, dim, keepdim=False):
         return x.mean(dim, keepdim=keepdim)
@@ -227,15 +265,27 @@ class TorchOps(Ops):
             return decode_attention(q, *kv_cache, meta.block_tables, meta.seq_lens, scale)
         return super().attention(q, meta, kv_cache, scale)
 
+    def linear_fp8(self, x, w: Fp8Weight, bias=None):
+        if kernels.enabled(x):  # activations quantized per token (Triton), fp8 GEMM (torch._scaled_mm)
+            from glm_fused.torch_backend.kernels.fp8 import linear_fp8, scaled_mm_fits
+
+            if scaled_mm_fits(x, w.codes):
+                return linear_fp8(x, w.codes, w.scale, bias)
+            _fallback_once(f"fp8 linear {list(w.shape)} with {x.dtype} activations: _scaled_mm needs sizes that are "
+                           f"multiples of 16 and bf16; it runs dequantized")
+        return super().linear_fp8(x, w, bias)
+
     def moe(self, x, router_logits, bias, routing: Routing, gate_up, down, expert_range, shared_gate_up,
             shared_down):
-        if not kernels.enabled(x):
+        fp8 = isinstance(gate_up, Fp8Weight)
+        if not kernels.enabled(x) or fp8 != isinstance(down, Fp8Weight):
             return super().moe(x, router_logits, bias, routing, gate_up, down, expert_range, shared_gate_up,
                                shared_down)
         from glm_fused.torch_backend.kernels.fused_moe import fused_experts, router_topk
 
-        # One shared expert as wide as a routed one rides in the routed GEMMs as expert E.
-        fold = shared_gate_up.shape[0] == gate_up.shape[1]
+        # One shared expert as wide as a routed one (and stored alike) rides in the routed GEMMs as expert E.
+        fold = (shared_gate_up.shape[0] == gate_up.shape[1]
+                and isinstance(shared_gate_up, Fp8Weight) == fp8 == isinstance(shared_down, Fp8Weight))
         if routing.n_group == 1:
             weights, ids = router_topk(router_logits, bias, routing.top_k, routing.norm_topk_prob, routing.scale,
                                        append_shared=fold)
@@ -246,11 +296,14 @@ class TorchOps(Ops):
                 weights = torch.cat([weights, weights.new_ones(T, 1)], dim=1)
                 ids = torch.cat([ids, ids.new_full((T, 1), routing.num_experts)], dim=1)
         partial = None if tuple(expert_range) == (0, routing.num_experts) else tuple(expert_range)
+        scales = (gate_up.scale, down.scale) if fp8 else None
+        routed = (_codes(gate_up), _codes(down), weights, ids)
         if fold:
-            return fused_experts(x, gate_up, down, weights, ids, shared_weights=(shared_gate_up, shared_down),
-                                 expert_range=partial)
-        return fused_experts(x, gate_up, down, weights, ids, self.swiglu(x, shared_gate_up, shared_down),
-                             expert_range=partial)
+            return fused_experts(x, *routed, shared_weights=(_codes(shared_gate_up), _codes(shared_down)),
+                                 expert_range=partial, scales=scales,
+                                 shared_scales=(shared_gate_up.scale, shared_down.scale) if fp8 else None)
+        return fused_experts(x, *routed, self.swiglu(x, shared_gate_up, shared_down), expert_range=partial,
+                             scales=scales)
 
     # ---- sampling on the device -----------------------------------------------------------
     def sample(self, logits, sampling):

@@ -11,6 +11,10 @@ the stored dtype (bf16, fp8, fp32 scales...). Then:
   dtype; a dtype change happens on the device. A ring of slots lets the next slice's host
   copy overlap the last one's transfer, as fast loaders do.
 
+An fp8 weight going into a float parameter (CPU, an fp32 model: no fp8 kernels there) is
+decoded exactly on the host (``glm_fused.checkpoint.read_float32_into``), straight into a CPU
+fp32 parameter; an fp8 parameter takes the codes as stored, like any other slice.
+
 safetensors' own CUDA path (``device="cuda"``) is not used: it moves a tensor whole (never
 a rank's slice), and each transfer waits for the previous one.
 
@@ -23,8 +27,11 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 from safetensors import safe_open
+
+from glm_fused.checkpoint import read_float32_into
 
 SLOT_BYTES = 64 * 2**20  # per staging slot: large transfers, few Python steps
 SLOTS = 3
@@ -60,15 +67,30 @@ class TorchWeightWriter:
         with contextlib.ExitStack() as files:
             handles = {}
             for part in parts:
+                dst = param[part.dst] if part.dst else param
+                if part.scale is not None and param.dtype != torch.float8_e4m3fn:
+                    self._decode(dst, part)
+                    continue
                 path = part.source.path
                 if path not in handles:
                     handles[path] = files.enter_context(safe_open(str(path), framework="pt"))
-                src = handles[path].get_slice(part.name)[part.index]
-                dst = param[part.dst] if part.dst else param
-                if self.staged:
-                    self._staged_copy(dst, src)
-                else:
-                    dst.copy_(src)
+                self._copy(dst, handles[path].get_slice(part.name)[part.index])
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.staged:
+            self._staged_copy(dst, src)
+        else:
+            dst.copy_(src)
+
+    def _decode(self, dst: torch.Tensor, part) -> None:
+        """An fp8 weight into a float parameter: decoded exactly on the host, once - straight into
+        a CPU fp32 parameter, else into a float32 copy that goes the usual way."""
+        if not self.staged and dst.device.type == "cpu" and dst.dtype == torch.float32:
+            read_float32_into(dst.detach().numpy(), part)
+            return
+        host = np.empty(part.shape, dtype=np.float32)
+        read_float32_into(host, part)
+        self._copy(dst, torch.from_numpy(host))
 
     def close(self) -> None:
         if self._stream is not None:

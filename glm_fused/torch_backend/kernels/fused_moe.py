@@ -15,6 +15,15 @@ For T tokens with top-k experts each there are N = T * k (token, expert) pairs; 
 
 Each expert's weights are read once per BLOCK_M tokens routed to it - once in total at
 decode sizes - which is what the memory floor counts.
+
+fp8 weights (e4m3 codes with one float32 scale per weight row): the GEMMs multiply in fp8,
+the activations quantized per row (``x`` per token in ``gate_up``, ``h`` per pair in ``down``)
+and the fp32 products scaled by the row's activation scale and each output column's weight
+scale once, after the K loop. Up to PREQUANT_MIN_TOKENS tokens (decode) each program
+quantizes its own rows as it loads them (a first pass over K finds a row's largest
+magnitude): no extra launch. Above (prefill), where N-tiles would quantize the same rows many
+times over, ``x`` and ``h`` are quantized once (``kernels.fp8.per_token_quant``) and the
+GEMMs read e4m3 rows with their scales.
 """
 
 from __future__ import annotations
@@ -26,8 +35,12 @@ import triton
 import triton.language as tl
 
 from glm_fused.torch_backend.kernels import dot_precision, next_pow2
+from glm_fused.torch_backend.kernels.fp8 import per_token_quant, to_fp8, token_scale
 
 CHUNK = 64  # pairs per program in the align kernels
+PREQUANT_MIN_TOKENS = 65  # fp8: from this many tokens, activations are quantized once before each GEMM
+# fp8 modes of the GEMM kernels (constexpr FP8)
+NO_FP8, QUANT_IN_KERNEL, QUANTIZED_INPUT = 0, 1, 2
 
 
 # ---------------------------------------------------------------------------- router
@@ -228,10 +241,40 @@ def _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, sh_ptr, h_ptr, sorted_ptr, block_expert_ptr, N, K, I, num_m, shared_id,
-                    stride_x, stride_we, stride_wn, stride_h, TOP_K: tl.constexpr,
+def _row_scales(a_ptrs, as_ptr, rows, mask, K, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp8 scales of the activation rows at ``a_ptrs`` (their first BLOCK_K columns): given
+    (QUANTIZED_INPUT: ``as_ptr[rows]``), or found here (QUANT_IN_KERNEL: a pass over K for each
+    row's largest magnitude); unused without fp8."""
+    scale = tl.zeros([BLOCK_M], tl.float32)
+    if FP8 == 1:
+        kk = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs + k0, mask=mask[:, None] & (kk < K - k0)[None, :], other=0.0)
+            scale = tl.maximum(scale, tl.max(tl.abs(a.to(tl.float32)), axis=1))
+        scale = token_scale(scale)
+    elif FP8 == 2:
+        scale = tl.load(as_ptr + rows, mask=mask, other=0.0)
+    return scale
+
+
+@triton.jit
+def _dot(a, b, acc, a_scale, FP8: tl.constexpr, PREC: tl.constexpr):
+    """``acc + a @ b``; fp8: ``a`` (quantized here with its row scales, or given in e4m3) times
+    e4m3 ``b`` (the scales are applied to ``acc`` after the K loop)."""
+    if FP8 == 1:
+        out = tl.dot(to_fp8(a.to(tl.float32), a_scale[:, None]), b, acc)
+    elif FP8 == 2:
+        out = tl.dot(a, b, acc)
+    else:
+        out = tl.dot(a, b, acc, input_precision=PREC)
+    return out
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, h_ptr, sorted_ptr, block_expert_ptr, N, K, I, num_m,
+                    shared_id, stride_x, stride_we, stride_wn, stride_se, stride_h, TOP_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    PREC: tl.constexpr):
+                    PREC: tl.constexpr, FP8: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, pair, valid = _block_rows(block_expert_ptr, sorted_ptr, pid_m, N, BLOCK_M)
     if e < 0:
@@ -244,6 +287,7 @@ def _gate_up_kernel(x_ptr, w_ptr, sh_ptr, h_ptr, sorted_ptr, block_expert_ptr, N
     w_base = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we)
     g_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
     u_ptrs = g_ptrs + I * stride_wn
+    a_scale = _row_scales(a_ptrs, xs_ptr, tok, valid, K, FP8, BLOCK_M, BLOCK_K)  # fp8: per token
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -251,21 +295,26 @@ def _gate_up_kernel(x_ptr, w_ptr, sh_ptr, h_ptr, sorted_ptr, block_expert_ptr, N
         a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PREC)
+        acc_g = _dot(a, g, acc_g, a_scale, FP8, PREC)
+        acc_u = _dot(a, u, acc_u, a_scale, FP8, PREC)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if FP8 != 0:  # the row scales of this expert's gate and up rows
+        s_base = _expert_weights(ws_ptr, sh_s_ptr, e, shared_id, stride_se)
+        acc_g = acc_g * a_scale[:, None] * tl.load(s_base + cols, mask=cm, other=0.0)[None, :]
+        acc_u = acc_u * a_scale[:, None] * tl.load(s_base + I + cols, mask=cm, other=0.0)[None, :]
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(h_ptr + pair[:, None].to(tl.int64) * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty),
              mask=valid[:, None] & cm[None, :])
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, sh_ptr, y_ptr, pw_ptr, sorted_ptr, block_expert_ptr, N, K, H, num_m, shared_id,
-                 stride_h, stride_we, stride_wn, stride_y,
+def _down_kernel(h_ptr, hs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, y_ptr, pw_ptr, sorted_ptr, block_expert_ptr, N, K, H,
+                 num_m,
+                 shared_id, stride_h, stride_we, stride_wn, stride_se, stride_y,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, FP8: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, pair, valid = _block_rows(block_expert_ptr, sorted_ptr, pid_m, N, BLOCK_M)
     if e < 0:
@@ -277,14 +326,18 @@ def _down_kernel(h_ptr, w_ptr, sh_ptr, y_ptr, pw_ptr, sorted_ptr, block_expert_p
     a_ptrs = h_ptr + rows[:, None] * stride_h + kk[None, :]
     w_base = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we)
     b_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    a_scale = _row_scales(a_ptrs, hs_ptr, rows, valid, K, FP8, BLOCK_M, BLOCK_K)  # fp8: per pair
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         km = kk < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
+        acc = _dot(a, b, acc, a_scale, FP8, PREC)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if FP8 != 0:
+        s_base = _expert_weights(ws_ptr, sh_s_ptr, e, shared_id, stride_se)
+        acc = acc * a_scale[:, None] * tl.load(s_base + cols, mask=cm, other=0.0)[None, :]
     acc = acc * tl.load(pw_ptr + rows, mask=valid, other=0.0)[:, None]
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=valid[:, None] & cm[None, :])
@@ -335,6 +388,12 @@ DOWN_CONFIGS = [
 ]
 
 
+# fp8 weights: the bf16 tiles until swept with scripts/bench_moe.py --fp8 (fp8 reads half the
+# bytes per tile and its dot wants BLOCK_K >= 32; every entry above qualifies).
+FP8_GATE_UP_CONFIGS = GATE_UP_CONFIGS
+FP8_DOWN_CONFIGS = DOWN_CONFIGS
+
+
 def pick(configs, num_tokens: int) -> TileConfig:
     for bound, cfg in configs:
         if num_tokens <= bound:
@@ -345,8 +404,10 @@ def pick(configs, num_tokens: int) -> TileConfig:
 def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, shared: torch.Tensor | None = None, *,
                   shared_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  expert_range: tuple[int, int] | None = None, gate_up_cfg: TileConfig | None = None,
-                  down_cfg: TileConfig | None = None) -> torch.Tensor:
+                  expert_range: tuple[int, int] | None = None,
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  shared_scales: tuple[torch.Tensor, torch.Tensor] | None = None, prequantize: bool | None = None,
+                  gate_up_cfg: TileConfig | None = None, down_cfg: TileConfig | None = None) -> torch.Tensor:
     """Routed experts (+ the shared expert) for ``x [T, H]``.
 
     ``w_gate_up [E, 2I, H]`` (gate rows, then up rows), ``w_down [E, H, I]``; ``weights``/``ids``
@@ -356,6 +417,11 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     = the number of routed experts, weight 1), so its GEMMs ride in the routed launches.
     ``expert_range=(first, last)`` says the weights hold only those experts of a larger set
     (an expert-parallel shard): pairs routed elsewhere add zero.
+
+    fp8: the weights are e4m3 codes and ``scales=(gate_up [E, 2I], down [E, H])`` their float32
+    row scales (``shared_scales=(gate_up [2I], down [H])`` for folded shared weights); the
+    activations are quantized per token (per pair for ``down``): inside the GEMMs, or once
+    before each (``prequantize``; default: from PREQUANT_MIN_TOKENS tokens).
     """
     T, H = x.shape
     E, two_i, _ = w_gate_up.shape
@@ -374,26 +440,40 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         if shared_weights is not None:  # the shared column is the last one: it is never outside
             local[:, -1] = E
     slots = E + (shared_weights is not None)
+    fp8 = scales is not None
+    assert fp8 == (w_gate_up.dtype == torch.float8_e4m3fn) == (w_down.dtype == torch.float8_e4m3fn)
+    s_gate_up, s_down = scales if fp8 else (w_gate_up, w_down)  # (unused pointers without fp8)
     if shared_weights is not None:
         sh_gate_up, sh_down = shared_weights
         assert sh_gate_up.shape == (two_i, H) and sh_down.shape == (H, I)
         assert sh_gate_up.stride(0) == w_gate_up.stride(1) and sh_down.stride(0) == w_down.stride(1)
+        assert sh_gate_up.dtype == w_gate_up.dtype and (shared_scales is not None) == fp8
+        sh_s_gate_up, sh_s_down = shared_scales if fp8 else (sh_gate_up, sh_down)
         shared_id = E
     else:
         sh_gate_up, sh_down, shared_id = w_gate_up, w_down, -1
+        sh_s_gate_up, sh_s_down = s_gate_up, s_down
+    if fp8:
+        assert s_gate_up.shape == (E, two_i) and s_down.shape == (E, H)
+        assert s_gate_up.stride(1) == s_down.stride(1) == 1
+        assert sh_s_gate_up.shape[-1] == two_i and sh_s_down.shape[-1] == H
     x = x if x.stride(-1) == 1 else x.contiguous()
     prec = dot_precision(x.dtype)
-    cu = gate_up_cfg or pick(GATE_UP_CONFIGS, T)
-    cd = down_cfg or pick(DOWN_CONFIGS, T)
+    cu = gate_up_cfg or pick(FP8_GATE_UP_CONFIGS if fp8 else GATE_UP_CONFIGS, T)
+    cd = down_cfg or pick(FP8_DOWN_CONFIGS if fp8 else DOWN_CONFIGS, T)
+
+    mode = NO_FP8 if not fp8 else QUANTIZED_INPUT if (
+        T >= PREQUANT_MIN_TOKENS if prequantize is None else prequantize) else QUANT_IN_KERNEL
+    a, a_scale = per_token_quant(x) if mode == QUANTIZED_INPUT else (x, x)  # (x: an unused pointer)
 
     al = align(local, slots, cu.block_m)
     h = torch.empty(N, I, dtype=x.dtype, device=x.device)
     num_m = al.block_expert.numel()
     _gate_up_kernel[(num_m * triton.cdiv(I, cu.block_n),)](
-        x, w_gate_up, sh_gate_up, h, al.sorted_pairs, al.block_expert, N, H, I, num_m, shared_id,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), TOP_K=width,
-        BLOCK_M=cu.block_m, BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, GROUP_M=cu.group_m, PREC=prec,
-        num_warps=cu.num_warps, num_stages=cu.num_stages)
+        a, a_scale, w_gate_up, sh_gate_up, s_gate_up, sh_s_gate_up, h, al.sorted_pairs, al.block_expert, N, H, I, num_m,
+        shared_id, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), h.stride(0),
+        TOP_K=width, BLOCK_M=cu.block_m, BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, GROUP_M=cu.group_m, PREC=prec,
+        FP8=mode, num_warps=cu.num_warps, num_stages=cu.num_stages)
 
     if cd.block_m != cu.block_m:
         al = align(local, slots, cd.block_m)
@@ -401,11 +481,13 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     if partial:
         y.zero_()  # rows of pairs routed elsewhere are never written
     num_m = al.block_expert.numel()
+    # each pair's row quantized once (rows of pairs routed to experts held elsewhere hold garbage: unread)
+    h, h_scale = per_token_quant(h) if mode == QUANTIZED_INPUT else (h, h)
     _down_kernel[(num_m * triton.cdiv(H, cd.block_n),)](
-        h, w_down, sh_down, y, weights.reshape(-1), al.sorted_pairs, al.block_expert, N, I, H, num_m, shared_id,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        h, h_scale, w_down, sh_down, s_down, sh_s_down, y, weights.reshape(-1), al.sorted_pairs, al.block_expert, N, I, H,
+        num_m, shared_id, h.stride(0), w_down.stride(0), w_down.stride(1), s_down.stride(0), y.stride(0),
         BLOCK_M=cd.block_m, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k, GROUP_M=cd.group_m, PREC=prec,
-        num_warps=cd.num_warps, num_stages=cd.num_stages)
+        FP8=mode, num_warps=cd.num_warps, num_stages=cd.num_stages)
 
     block = min(1024, next_pow2(H))
     _combine_kernel[(T, triton.cdiv(H, block))](y, shared if shared is not None else y, out, H, TOP_K=width,
