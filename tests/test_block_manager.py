@@ -75,6 +75,19 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     assert len(bm.cached_prefix(longer)) == 2
 
 
+def test_prompt_logprobs_read_only_the_already_scored_prefix_from_the_cache():
+    """Echo needs every prompt position's logits: a cached prefix would leave its tokens
+    unscored (lm-eval sends one context with several continuations)."""
+    bm = BlockManager(8, BS)
+    computed(bm, seq(range(12), "a"))
+    echo = Sequence("e", list(range(12)), SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+    assert bm.cached_prefix(echo) == []
+    echo.prompt_logprobs += [(0.0, [], [])] * 5   # tokens 1..5 scored (a preempted, recomputed echo)
+    assert len(bm.cached_prefix(echo)) == 1       # 5 positions may be reused: one full block
+    echo.prompt_logprobs += [(0.0, [], [])] * 6   # every prompt token scored
+    assert len(bm.cached_prefix(echo)) == 2       # as any sequence: the last token is computed
+
+
 def test_blocks_stay_cached_after_release_and_are_evicted_least_recently_used_first():
     bm = BlockManager(4, BS)
     a = computed(bm, seq(range(8), "a"))            # 2 cached blocks

@@ -54,8 +54,8 @@ def test_lm_eval_local_completions_and_chat(api_server, tmp_path):
     from glm_fused.tiny import ensure_tiny_checkpoint
     from glm_fused.tokenizer import Tokenizer
 
-    errors_before = metric(api_server, "request_errors_total")
-    done_before = metric(api_server, "request_success_total")
+    errors_before = metric(api_server, "request_errors_total", missing=0.0)  # no error yet: no sample
+    done_before = metric(api_server, "request_success_total", missing=0.0)  # none yet: no sample
     out = tmp_path / "lm_eval_results.json"
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
     run = subprocess.run([sys.executable, "-c", DRIVER, api_server.url, str(out)], cwd=DATA, env=env,
@@ -70,7 +70,7 @@ def test_lm_eval_local_completions_and_chat(api_server, tmp_path):
         assert 0.0 <= float(run_["results"]["glm_tiny_gen"]["exact_match,none"]) <= 1.0
         assert all(isinstance(s["resps"][0][0], str) for s in run_["samples"]["glm_tiny_gen"])
     # No request failed: none refused or errored, and every one answered.
-    assert metric(api_server, "request_errors_total") == errors_before
+    assert metric(api_server, "request_errors_total", missing=0.0) == errors_before
     answered = metric(api_server, "request_success_total") - done_before
     assert answered >= 24 + 4 + 4  # every choice of the 8 questions, 4 + 4 generations
 

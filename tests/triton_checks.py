@@ -381,14 +381,15 @@ def check_model(device, dtype, qk_norm=False, seed=4):
     with torch.no_grad():
         fill_random(model, config, seed)
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in (5, 9)]
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 4)]
     # Blocks of 4 positions, each sequence's scattered over a cache of 12.
-    a, b = [[7, 2, 10, 5], [1, 11, 4, 8]]
-    steps = [ForwardBatch.prefill(prompts, [a, b]),
-             ForwardBatch.decode([7, 8], [5, 9], [a, b]),
+    a, b, c = [[7, 2, 10, 5], [1, 11, 4, 8], [0, 3, 6, 9]]
+    steps = [ForwardBatch.prefill(prompts, [a, b, c]),
+             ForwardBatch.decode([7, 8, 6], [5, 9, 4], [a, b, c]),
              ForwardBatch.decode([9], [6], [a]),
-             # the second sequence continues with a 3-token chunk while the first decodes
-             ForwardBatch([11, 3, 4, 5], [7, 10, 11, 12], [1, 3], [7, 10], [0, 1, 2, 3], [a, b])]
+             # the second sequence continues with a 3-token chunk while the first and third decode
+             # (the decodes of a mixed step take the decode kernel together)
+             ForwardBatch([11, 3, 4, 5, 2], [7, 10, 11, 12, 5], [1, 3, 1], [7, 10, 5], [0, 1, 2, 3, 4], [a, b, c])]
     logits = {}
     for on in (False, True):
         previous = kernels.set_enabled(on)

@@ -92,13 +92,13 @@ class BlockManager:
     def cached_prefix(self, seq) -> list[int]:
         """The cached blocks that hold the sequence's leading full blocks (longest run of hits).
 
-        At least one token is always left to compute, so the step that admits the sequence
-        has a last position whose logits it samples from.
+        Only ``seq.reusable_tokens`` are looked up: at least one token is always left to
+        compute, so the step that admits the sequence has a last position to sample from.
         """
         if not self.enable_prefix_caching:
             return []
         hits = []
-        for h in self.hashes(seq, (seq.num_tokens - 1) // self.block_size):
+        for h in self.hashes(seq, seq.reusable_tokens // self.block_size):
             block_id = self.cached.get(h)
             if block_id is None:
                 break

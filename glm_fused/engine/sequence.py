@@ -70,6 +70,15 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def reusable_tokens(self) -> int:
+        """How many leading tokens may come from the prefix cache: all but the last, except
+        that prompt tokens still to be scored (echo) need their previous position's logits,
+        so those positions are computed (as vLLM, which skips the cache for prompt logprobs)."""
+        if self.params.prompt_logprobs is not None:
+            return min(self.num_tokens - 1, len(self.prompt_logprobs) - 1)
+        return self.num_tokens - 1
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from glm_fused.batch import ForwardBatch, attention_plan
 from glm_fused.model.module import Module
 
@@ -35,6 +37,11 @@ class AttentionMetadata:
     block_tables: Any = None      # all query_len == 1: [S, W] each sequence's blocks (padding 0)
     seq_lens: Any = None          # all query_len == 1: keys each query sees [S]
     decode_mask: Any = None       # S > 1 decodes, plain-ops path: [S, 1, 1, max_len] visible keys
+    # A step that mixes decodes with prompt chunks: its decoding sequences as a batch (their
+    # tokens' rows in T, block tables, key counts), so a decode kernel takes them in one call;
+    # ``others`` are the indices of the remaining sequences (in ``seqs``).
+    mixed_decode: Any = None
+    others: list[int] = None
 
     @classmethod
     def for_decode(cls, slot_mapping, block_tables, seq_lens, block_size: int) -> "AttentionMetadata":
@@ -46,22 +53,34 @@ class AttentionMetadata:
     def from_batch(cls, batch: ForwardBatch, F, like, block_size: int) -> "AttentionMetadata":
         """``like``: a tensor on the model's device (where the metadata goes)."""
         plan = attention_plan(batch, block_size)
+        up = F.upload  # small host arrays: never wait for the step still running on the device
         # A fresh prompt (no cached context) is plain causal: no mask needed.
-        masks = [None if m is None or context == 0 else F.tensor(m, like)
+        masks = [None if m is None or context == 0 else up(m, like)
                  for (context, _, _), m in zip(plan.seqs, plan.masks)]
-        # Batched decode reads through the block tables; the other steps through each sequence's blocks.
-        seq_blocks = None if plan.decode_visible is not None else [F.tensor(b, like) for b in plan.seq_blocks]
-        meta = cls(F.tensor(plan.slot_mapping, like), block_size,
-                   token_blocks=F.tensor(plan.slot_mapping // block_size, like),
-                   token_offsets=F.tensor(plan.slot_mapping % block_size, like),
+        seq_blocks = None
+        if plan.decode_visible is None:  # batched decode reads through the block tables instead
+            # One upload, then each sequence's blocks as a slice of it.
+            ends = np.cumsum([len(b) for b in plan.seq_blocks])
+            flat = up(np.concatenate(plan.seq_blocks), like)
+            seq_blocks = [flat[end - len(b):end] for end, b in zip(ends.tolist(), plan.seq_blocks)]
+        meta = cls(up(plan.slot_mapping, like), block_size,
+                   token_blocks=up(plan.slot_mapping // block_size, like),
+                   token_offsets=up(plan.slot_mapping % block_size, like),
                    seqs=plan.seqs, seq_blocks=seq_blocks, masks=masks)
-        if bool((batch.query_lens == 1).all()):
+        decoding = batch.query_lens == 1
+        if bool(decoding.all()):
             lens = batch.context_lens + 1
             width = -(-int(lens.max()) // block_size)
-            meta.block_tables = F.tensor(batch.block_tables[:, :width], like)
-            meta.seq_lens = F.tensor(lens, like)
+            meta.block_tables = up(batch.block_tables[:, :width], like)
+            meta.seq_lens = up(lens, like)
+        elif decoding.sum() > 1:
+            lens = batch.context_lens[decoding] + 1
+            width = -(-int(lens.max()) // block_size)
+            meta.mixed_decode = (up(batch.seq_starts[decoding], like), up(batch.block_tables[decoding, :width], like),
+                                 up(lens, like))
+            meta.others = np.flatnonzero(~decoding).tolist()
         if plan.decode_visible is not None:
-            meta.decode_mask = F.tensor(plan.decode_visible, like)[:, None, None, :]
+            meta.decode_mask = up(plan.decode_visible, like)[:, None, None, :]
         return meta
 
 

@@ -193,15 +193,19 @@ class Ops:
             keys = self.transpose(keys.reshape(shape)[:, :max_len], 1, 2)  # [S, kv_heads, max_len, D]
             values = self.transpose(values.reshape(shape)[:, :max_len], 1, 2)
             return self.sdpa(q.unsqueeze(2), keys, values, meta.decode_mask, False, scale)[:, :, 0, :]
-        outs = []
-        for (context, n, start), blocks, mask in zip(meta.seqs, meta.seq_blocks, meta.masks):
-            end = context + n
-            o = self.sdpa(self.transpose(q[start:start + n], 0, 1).unsqueeze(0),
-                          self.transpose(self.gather_keys(k_cache, blocks, end), 0, 1).unsqueeze(0),
-                          self.transpose(self.gather_keys(v_cache, blocks, end), 0, 1).unsqueeze(0),
-                          mask, mask is None and n > 1, scale)
-            outs.append(self.transpose(o[0], 0, 1))
+        outs = [self.attend_seq(q, meta, kv_cache, scale, i) for i in range(len(meta.seqs))]
         return outs[0] if len(outs) == 1 else self.cat(outs, 0)
+
+    def attend_seq(self, q, meta, kv_cache, scale: float, i: int):
+        """Attention of sequence ``i`` of the step alone: ``[query_len, heads, D]``."""
+        (context, n, start), blocks, mask = meta.seqs[i], meta.seq_blocks[i], meta.masks[i]
+        end = context + n
+        k_cache, v_cache = kv_cache
+        o = self.sdpa(self.transpose(q[start:start + n], 0, 1).unsqueeze(0),
+                      self.transpose(self.gather_keys(k_cache, blocks, end), 0, 1).unsqueeze(0),
+                      self.transpose(self.gather_keys(v_cache, blocks, end), 0, 1).unsqueeze(0),
+                      mask, mask is None and n > 1, scale)
+        return self.transpose(o[0], 0, 1)
 
     def route(self, logits, bias, routing: Routing):
         """Router logits ``[T, E]`` (fp32) -> ``(weights [T, top_k] fp32, expert ids [T, top_k])``.

@@ -259,11 +259,21 @@ class TorchOps(Ops):
         return super().rope_and_store(positions, q, k, v, cos_cache, sin_cache, rotary_dim, meta, kv_cache)
 
     def attention(self, q, meta, kv_cache, scale):
-        if meta.seq_lens is not None and kernels.enabled(q):  # decode: split-K over each sequence's blocks
-            from glm_fused.torch_backend.kernels.decode_attention import decode_attention
+        if not kernels.enabled(q) or (meta.seq_lens is None and meta.mixed_decode is None):
+            return super().attention(q, meta, kv_cache, scale)
+        from glm_fused.torch_backend.kernels.decode_attention import decode_attention
 
+        if meta.seq_lens is not None:  # decode: split-K over each sequence's blocks
             return decode_attention(q, *kv_cache, meta.block_tables, meta.seq_lens, scale)
-        return super().attention(q, meta, kv_cache, scale)
+        # Decodes beside prompt chunks: the decodes in one kernel call, the chunks one by one
+        # (a loop over every decode here cost ~20 launches each, per layer).
+        rows, tables, lens = meta.mixed_decode
+        out = torch.empty_like(q)
+        out[rows] = decode_attention(q[rows], *kv_cache, tables, lens, scale)
+        for i in meta.others:
+            _, n, start = meta.seqs[i]
+            out[start:start + n] = self.attend_seq(q, meta, kv_cache, scale, i)
+        return out
 
     def linear_fp8(self, x, w: Fp8Weight, bias=None):
         if kernels.enabled(x):  # activations quantized per token (Triton), fp8 GEMM (torch._scaled_mm)
