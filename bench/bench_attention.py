@@ -101,7 +101,7 @@ def timed(torch, fn, device, args) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
-    from glm_fused.cli.bench_layers import graphed
+    from bench.common import graphed
 
     replay = graphed(fn, device)
     for _ in range(3):

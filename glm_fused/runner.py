@@ -107,6 +107,8 @@ class ModelRunner:
         # Decode steps replay CUDA graphs where the framework has them (not with --enforce-eager);
         # after the fused all-reduce workspace (it must exist before capture) and the cache.
         self.graphs = self._capture() if not args.enforce_eager and F.can_capture(self.model) else None
+        if F.compiles_kernels(self.model):
+            self._warm_up()
 
     def _size_kv_cache(self) -> kv_cache.KVCacheSize:
         """The block count (the smallest of every rank's) and the context limit it allows."""
@@ -143,6 +145,37 @@ class ModelRunner:
         # Ranks sharing one GPU load at the same time: their allocations would count as ours.
         outside = 0 if shares_gpu() else max(0, (free_at_start - free_now) - F.reserved_memory(dev))
         return kv_cache.gpu_budget(a.gpu_memory_utilization, free_at_start, total, peak, outside)
+
+    # Token counts whose kernel variants a served step can need: the fused MoE's tile buckets
+    # (1, 8, 64, 256, more) and, in each, counts that are and are not multiples of 16 (Triton
+    # specialises integer arguments on that). Measured: without this, the first minute of
+    # traffic paid 3-9 s of compiles in its time to first token (docs/speed.md).
+    WARM_TOKENS = (1, 3, 8, 16, 40, 64, 100, 128, 257, 1000, 1024)
+
+    def _warm_up(self) -> None:
+        """Compile every kernel variant before serving: prompt steps of ``WARM_TOKENS`` (and of
+        the step limit less one) and a step mixing decodes with a prompt chunk. Garbage goes
+        into blocks no sequence holds yet."""
+        F, a = self.F, self.args
+        limit = a.max_num_batched_tokens
+        sizes = sorted({t for t in self.WARM_TOKENS if t <= limit} | {limit - 1, limit} - {0})
+        bs, n_blocks = a.block_size, self.kv.num_blocks
+
+        def table(n):
+            return (np.arange(kv_cache.cdiv(n, bs)) % n_blocks)[None, :]
+
+        batches = [ForwardBatch.prefill([[0] * t], table(t)) for t in sizes]
+        if limit >= 5:  # two decodes (contexts 7 and 4) beside a 3-token chunk after 10 positions
+            tables = np.concatenate([table(16)] * 3)
+            batches.append(ForwardBatch(np.zeros(5, np.int64), np.array([7, 10, 11, 12, 4]), np.array([1, 3, 1]),
+                                        np.array([7, 10, 4]), np.array([0, 3, 4]), tables))
+        like = self.model.embed_tokens.weight
+        with F.no_grad():
+            for batch in batches:
+                hidden = self.model(F.tensor(batch.input_ids, like), F.tensor(batch.positions, like), batch,
+                                    self.kv_caches)
+                self.model.compute_logits(hidden)
+        F.synchronize(self.device)
 
     def slot_tables(self, slots) -> np.ndarray:
         """Block tables for driving this runner with one fixed slot of ``max_model_len`` positions

@@ -749,4 +749,29 @@ def test_runner_logprobs_are_the_forward_log_softmax():
     within 1e-4), on Paddle (host sampler) and torch (device sampler), whose seeded draws
     under min_p, logit_bias and a penalised neighbour are the same."""
     pytest.importorskip("torch")
+    pytest.importorskip("paddle")
     assert _runner_run("paddle") == _runner_run("torch")
+
+
+@pytest.mark.timeout(240)
+def test_kernel_warm_up_leaves_the_runner_unchanged():
+    """ModelRunner._warm_up (before serving, where kernels compile per shape class: Triton on a
+    GPU) runs prompt and mixed steps through the KV cache: greedy outputs after it are those of
+    a runner that never ran it."""
+    pytest.importorskip("torch")
+    from glm_fused.cli.common import Rank
+    from glm_fused.engine_args import EngineArgs
+
+    outputs = []
+    for warm in (False, True):
+        args = EngineArgs(model="glm-4.5-air-tiny", backend="torch", device="cpu", max_num_seqs=2, max_model_len=64,
+                          max_num_batched_tokens=24).resolve()
+        rank = Rank(args)
+        runner = rank.build_runner()
+        if warm:
+            runner._warm_up()
+        engine = LLMEngine(runner, args, vocab_size=rank.config.vocab_size)
+        outputs.append([s.output_token_ids for s in engine.generate(PROMPTS[:2], SamplingParams(max_tokens=6,
+                                                                                                  temperature=0))])
+        runner.close()
+    assert outputs[0] == outputs[1] and all(len(o) == 6 for o in outputs[0])

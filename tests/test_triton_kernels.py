@@ -29,19 +29,24 @@ HERE = Path(__file__).resolve().parent
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
 FP8_VS_FP32 = 5e-2
+# fp8 checks in bf16 against their emulation (kernels off): where the two bf16 activations
+# differ by one ulp before quantization, their fp8 codes can differ by one step (up to 1/8 of
+# the value), so the bf16 tolerance is too tight; measured on an H200: up to 0.039 (model_fp8).
+FP8_BF16_TOL = 5e-2
 FLAGS = ("router_ids_differ", "router_shared_column_bad", "align_bad_m1", "align_bad_m16", "no_residual_passthrough",
          "q_in_place", "other_rows_untouched", "zero_row_nan")
 
 
 def _assert_checks(results: dict, tol: float) -> None:
     for name, values in results.items():
+        fp8 = name.startswith(("moe_fp8", "linear_fp8", "model_fp8"))
         for key, value in values.items():
             if key in FLAGS:
                 assert value == 0.0, (name, key)
             elif key.startswith("fp8_vs_fp32"):
                 assert value <= FP8_VS_FP32, (name, key, value)
             else:
-                assert value <= tol, (name, key, value)
+                assert value <= (FP8_BF16_TOL if fp8 and tol == BF16_TOL else tol), (name, key, value)
 
 
 @pytest.mark.slow

@@ -302,6 +302,11 @@ class Ops:
         return None
 
     # ---- what a framework offers beyond the maths (defaults: nothing) --------------------
+    def compiles_kernels(self, model) -> bool:
+        """Whether the model's kernels compile on first use of each shape class (Triton): the
+        runner then warms them up before serving."""
+        return False
+
     def can_capture(self, model) -> bool:
         """Whether ``capture_decode_graphs`` can make replayable decode steps for this model."""
         return False

@@ -430,6 +430,9 @@ class TorchOps(Ops):
         return torch.empty(n, dtype=DTYPES[dtype], pin_memory=torch.cuda.is_available())
 
     # ---- CUDA graphs and device housekeeping ---------------------------------------------
+    def compiles_kernels(self, model) -> bool:
+        return model.device.type == "cuda" and kernels.enabled(model.embed_tokens.weight)
+
     def can_capture(self, model) -> bool:
         # Graphs need the Triton path: the plain ops sync with the host (the expert loop).
         return model.device.type == "cuda" and kernels.enabled(model.embed_tokens.weight)
