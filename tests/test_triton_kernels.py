@@ -28,6 +28,9 @@ torch = pytest.importorskip("torch")
 HERE = Path(__file__).resolve().parent
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
+# fp8 against fp32, the rule 1, fixed before the first GPU run. On an H200 the Air-size
+# checks measured up to 0.047; the toy fused-MoE check in bf16 (test_kernels_small_bf16) 0.0508:
+# a known miss, kept as measured (docs/fp8.md).
 FP8_VS_FP32 = 5e-2
 # fp8 checks in bf16 against their emulation (kernels off): where the two bf16 activations
 # differ by one ulp before quantization, their fp8 codes can differ by one step (up to 1/8 of
