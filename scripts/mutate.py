@@ -91,13 +91,13 @@ MUTATIONS: list[Mutation] = [
     # ---- what only precision, sharding or plumbing tests see --------------------------------
     Mutation("sampler-ignores-temperature", "the host sampler draws from softmax(logits), whatever the temperature",
              "glm_fused/engine/sampling.py",
-             "    x = logits.astype(np.float64) / params.temperature\n", "    x = logits.astype(np.float64)\n",
+             "    x = x / temperature\n", "    x = x\n",
              ("tests/test_engine.py::test_sampling_frequencies_follow_softmax_at_the_temperature",)),
     Mutation("device-sampler-ignores-temperature", "the device sampler (torch) draws from softmax(logits), "
              "whatever the temperature",
              "glm_fused/torch_backend/ops.py",
-             "        xs = x.double() / torch.where(temp > 0, temp, 1.0).double()[:, None]\n",
-             "        xs = x.double()\n",
+             "        xs = x / torch.where(temp > 0, temp, 1.0).double()[:, None]\n",
+             "        xs = x\n",
              ("tests/test_engine.py::test_sampling_frequencies_follow_softmax_at_the_temperature",)),
     Mutation("adapter-outputs-swapped", "the FlashInfer adapter returns (residual, normed) instead of (normed, residual)",
              "glm_fused/fused_op/flashinfer.py",
