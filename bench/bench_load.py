@@ -2,6 +2,7 @@
 
     python scripts/bench_load.py --dir CKPT                                  # CPU: Paddle and torch
     python scripts/bench_load.py --dir CKPT --device gpu --backend torch     # GPU: Air sizes, ~7 GiB
+    python scripts/bench_load.py --dir CKPT8 --device gpu --backend torch --fp8  # the same in fp8
 
 ``--dir`` gets a checkpoint first when it has no config.json: GLM-4.5-Air's layer widths
 (hidden 4096, 96 heads and 8 KV heads of 128, dense width 10944, expert width 1408), 2 layers
@@ -34,6 +35,7 @@ import argparse
 import importlib.util
 import json
 import math
+import re
 import resource
 import subprocess
 import sys
@@ -56,36 +58,54 @@ SIZES = {
 
 # ---- the checkpoint ---------------------------------------------------------------------
 
-def write_checkpoint(path: Path, size: str) -> float:
+# The Linear weights an fp8 checkpoint stores as e4m3 (zai-org/GLM-4.5-Air-FP8's scheme).
+FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(shared_experts\.|experts\.\d+\.)?"
+                        r"(gate|up|down)_proj)\.weight$")
+
+
+def write_checkpoint(path: Path, size: str, fp8: bool = False) -> float:
     """GLM-4.5-Air widths, 2 layers, no MTP block, bf16 (router bias fp32), sharded as real
     checkpoints are; returns the bytes of tensor data. Values repeat a pool of random bf16 from a
     per-tensor offset: load speed does not depend on them, and i.i.d. draws of 7 GiB would cost
-    minutes of the GPU host's time."""
+    minutes of the GPU host's time. ``fp8``: the decoder Linears as e4m3 codes (random, never
+    NaN) with bf16 row scales ``[out, 1]``, compressed-tensors' layout and config, as the
+    official FP8 release."""
     from safetensors import TensorSpec, serialize_file
 
-    from glm_fused.tiny import tensor_specs
+    from glm_fused.tiny import TensorSpec as Spec, tensor_specs
 
     raw = json.loads(AIR_CONFIG.read_text())
     raw.update(num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=0, torch_dtype="bfloat16",
                **SIZES[size])
     if raw["vocab_size"] <= max(raw["eos_token_id"]):
         raw.update(pad_token_id=raw["vocab_size"] - 1, eos_token_id=[raw["vocab_size"] - 1])
-    specs = tensor_specs(raw)
+    specs, codes = [], set()
+    for spec in tensor_specs(raw):
+        specs.append(spec)
+        if fp8 and FP8_LINEAR.match(spec.name):
+            codes.add(spec.name)
+            specs.append(Spec(spec.name + "_scale", (spec.shape[0], 1), "normal", 0.01))
     rng = np.random.default_rng(0)
     pool = ((rng.standard_normal(2**22, dtype=np.float32) * 0.02).view(np.uint32) >> 16).astype(np.uint16)
+    # e4m3 bit patterns: any exponent and mantissa but the NaN pattern (0x7f), either sign
+    pool8 = (rng.integers(0, 0x7F, 2**22, dtype=np.uint8) | (rng.integers(0, 2, 2**22, dtype=np.uint8) << 7))
 
     def values(spec) -> np.ndarray:
         n = math.prod(spec.shape)
         if spec.fp32:
             return rng.standard_normal(spec.shape, dtype=np.float32) * np.float32(0.01)
-        out, at, start = np.empty(n, dtype=np.uint16), 0, zlib.crc32(spec.name.encode()) % len(pool)
+        src = pool8 if spec.name in codes else pool
+        out, at, start = np.empty(n, dtype=src.dtype), 0, zlib.crc32(spec.name.encode()) % len(src)
         while at < n:
-            k = min(n - at, len(pool) - start)
-            out[at:at + k] = pool[start:start + k]
+            k = min(n - at, len(src) - start)
+            out[at:at + k] = src[start:start + k]
             at, start = at + k, 0
         return out.reshape(spec.shape)
 
-    nbytes = [math.prod(s.shape) * (4 if s.fp32 else 2) for s in specs]
+    def dtype(spec) -> str:
+        return "float32" if spec.fp32 else "float8_e4m3fn" if spec.name in codes else "bfloat16"
+
+    nbytes = [math.prod(s.shape) * (4 if s.fp32 else 1 if s.name in codes else 2) for s in specs]
     total = sum(nbytes)
     num_shards = max(1, math.ceil(total / SHARD_BYTES))
     path.mkdir(parents=True, exist_ok=True)
@@ -96,15 +116,24 @@ def write_checkpoint(path: Path, size: str) -> float:
         done += n
     for k, shard in enumerate(shards):
         name = f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors"
-        arrays = {s.name: values(s) for s in shard}
-        serialize_file({n: TensorSpec(dtype="float32" if a.dtype == np.float32 else "bfloat16", shape=list(a.shape),
-                                      data_ptr=a.ctypes.data, data_len=a.nbytes) for n, a in arrays.items()},
-                       str(path / name), metadata={"format": "pt"})
+        arrays = {s.name: (values(s), dtype(s)) for s in shard}
+        serialize_file({n: TensorSpec(dtype=d, shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes)
+                        for n, (a, d) in arrays.items()}, str(path / name), metadata={"format": "pt"})
         (path / name).chmod(0o644)  # the writer makes owner-only files
         del arrays
         weight_map.update((s.name, name) for s in shard)
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    if fp8:
+        raw["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                      "dynamic": True}}},
+            "ignore": ["lm_head", *[f"model.layers.{i}.mlp.gate" for i in range(raw["first_k_dense_replace"],
+                                                                             raw["num_hidden_layers"])]]}
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     return total
 
@@ -298,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model dtype (default: float32 on cpu, bfloat16 on gpu)")
     p.add_argument("--size", choices=sorted(SIZES), help="checkpoint to write when --dir has none "
                                                          "(default: small on cpu, air on gpu)")
+    p.add_argument("--fp8", action="store_true", help="the checkpoint written has fp8 Linears (compressed-tensors, "
+                                                      "one bf16 scale per row), as the official FP8 release")
     p.add_argument("--num-gpus", type=int, help="GPUs the ranks spread over (default: every visible one)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run each measurement this many times (fresh processes) and keep the fastest")
@@ -327,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         size = args.size or ("air" if args.device == "gpu" else "small")
         t0 = time.perf_counter()
-        written = write_checkpoint(args.dir, size)
+        written = write_checkpoint(args.dir, size, fp8=args.fp8)
         print(f"wrote {args.dir} ({size}: {written / GIB:.2f} GiB) in {time.perf_counter() - t0:.1f} s", flush=True)
     files = sorted(args.dir.glob("*.safetensors"))
     from glm_fused.safetensors_io import SafetensorsFile
