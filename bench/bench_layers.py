@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--matmul-n", type=int, default=8192, help="n of the n x n x n matmul for the matrix rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true",
-                   help="also list the GPU kernels of one 'ours-eager' call per case (torch profiler)")
+                   help="also list the GPU kernels of one 'ours-eager' call per case, and of the fp8 layer's "
+                        "with ours-fp8 (torch profiler)")
     p.add_argument("--json", type=Path, help="write every figure here")
     return p
 
@@ -409,6 +410,9 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
     if args.profile and device.type == "cuda":
         with torch.inference_mode(), triton_kernels(True):
             res["kernels"] = profile_kernels(lambda: layers[True](positions, hidden, None, meta, (k_cache, v_cache)))
+            if "fp8" in layers and "ours-fp8" in args.impls:
+                res["kernels_fp8"] = profile_kernels(
+                    lambda: layers["fp8"](positions, hidden, None, meta, (k_cache, v_cache)))
     ours_ms = res["impls"].get("ours", {}).get("ms")
     for impl, entry in res["impls"].items():
         if impl != "ours" and ours_ms and entry.get("ms"):
@@ -518,8 +522,11 @@ def _print_case(case: dict) -> None:
     for impl, e in case["impls"].items():
         parts.append(f"{impl} {e['ms']:.3f} ms" if "ms" in e else f"{impl} FAILED ({e['error'][:80]})")
     print(f"  {case['layer']:5} {case['step']:15} floor {case['floor_ms']:.3f} ms: " + ", ".join(parts), flush=True)
-    for k in case.get("kernels", []):
-        print(f"      {k['us_per_call']:8.1f} us  x{k['launches']:<5g} {k['kernel']}", flush=True)
+    for key in ("kernels", "kernels_fp8"):
+        if key in case:
+            print(f"    {'bf16' if key == 'kernels' else 'fp8'} kernels of one eager call:", flush=True)
+        for k in case.get(key, []):
+            print(f"      {k['us_per_call']:8.1f} us  x{k['launches']:<5g} {k['kernel']}", flush=True)
 
 
 def print_table(out: dict) -> None:

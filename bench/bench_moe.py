@@ -8,9 +8,9 @@ floor (the hit experts' bytes / copy bandwidth) or the matrix floor, and the fas
 configuration per size, ready for ``GATE_UP_CONFIGS`` / ``DOWN_CONFIGS`` in
 ``glm_fused/torch_backend/kernels/fused_moe.py``.
 
-``--fp8``: the experts' weights quantized per row (e4m3), the fp8 kernels (activations
-quantized per token), the floor at 1 byte per weight, each variant checked against the expert
-loop on the dequantized weights within 5e-2 (activation quantization; the fp8 rule), the best
+``--fp8``: the experts' weights quantized per row (e4m3), the fp8 kernels (at decode sizes
+both the weight-only and the quantize-in-kernel mode, and swapped tiles), the floor at 1 byte
+per weight, each variant checked against the expert loop on the dequantized weights within 5e-2 (activation quantization; the fp8 rule), the best
 configurations ready for ``FP8_GATE_UP_CONFIGS`` / ``FP8_DOWN_CONFIGS`` (no grouped GEMM row).
 
 ``python scripts/bench_moe.py [--tokens 1,8,32,64,256,2048] [--fp8] [--json OUT]``
@@ -33,6 +33,12 @@ from bench.reference import rel_error
 # list, then the down GEMM's candidates with the best gate_up.
 SMALL = [(16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 128, 128, 1, 4, 3),
          (16, 64, 128, 1, 8, 4), (32, 64, 128, 1, 4, 4)]
+# fp8 tiles read half the bytes: wider K steps and narrower N (more programs at batch 1).
+# A seventh field True: swapped (TileConfig.swap, the weight tile as the MMA's A operand).
+SMALL_FP8 = [(16, 32, 256, 1, 4, 4), (16, 64, 256, 1, 4, 4), (16, 128, 256, 1, 4, 3),
+             (16, 64, 128, 1, 4, 4, True), (16, 128, 128, 1, 4, 3, True), (16, 64, 256, 1, 4, 3, True),
+             (16, 128, 64, 1, 4, 4, True), (16, 64, 128, 1, 8, 4, True), (16, 128, 128, 1, 8, 4, True),
+             (16, 64, 64, 1, 4, 4, True)]
 LARGE_GATE_UP = [(128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 64, 64, 8, 4, 4), (128, 64, 64, 8, 8, 4),
                  (128, 64, 128, 8, 8, 3), (64, 128, 64, 8, 4, 4), (128, 128, 64, 4, 8, 3), (128, 128, 64, 16, 8, 3),
                  (256, 64, 64, 8, 8, 3), (64, 128, 64, 8, 8, 4), (64, 128, 128, 8, 8, 3), (64, 256, 64, 8, 8, 3),
@@ -113,14 +119,19 @@ def run(args) -> dict:
                                                if "ms" in row else row["error"]), flush=True)
             return row
 
-        def triton_fn(gu, dn):
-            return lambda: fm.fused_experts(x, w_gate_up, w_down, weights, ids, scales=scales,
+        def triton_fn(gu, dn, mode=None):
+            return lambda: fm.fused_experts(x, w_gate_up, w_down, weights, ids, scales=scales, mode=mode,
                                             gate_up_cfg=fm.TileConfig(*gu), down_cfg=fm.TileConfig(*dn))
 
         measure("loop", lambda: OPS.routed_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids.long(), (0, E)))
         if not args.fp8:
             measure("grouped_mm", lambda: grouped_mm_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids))
-        if small:
+        if small and args.fp8:  # both decode modes (fused_moe's docstring) in every tile; swapped tiles
+            for cand in SMALL + SMALL_FP8:  # take unquantized rows: weight-only
+                modes = [(fm.WEIGHT_ONLY, "weight-only")] + [(fm.QUANT_IN_KERNEL, "quant-in-kernel")] * (len(cand) == 6)
+                for mode, tag in modes:
+                    measure(f"triton {tag} gate_up={cand} down={cand}", triton_fn(cand, cand, mode))
+        elif small:
             for cand in SMALL:
                 measure(f"triton gate_up={cand} down={cand}", triton_fn(cand, cand))
         else:

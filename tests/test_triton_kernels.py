@@ -85,9 +85,10 @@ def _sm90_compile(fn, signature: dict, constexprs: dict, num_warps: int = 4, num
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fp8_kernels_compile_for_sm90():
-    """The fp8 kernels as the GPU would build them (the interpreter never lowers them): decode
-    tiles quantize activations in the kernel (``cvt.rn.satfinite`` to e4m3), prefill tiles read
-    e4m3 rows and multiply with e4m3 wgmma."""
+    """The fp8 kernels as the GPU would build them (the interpreter never lowers them): the
+    weight-only tiles widen e4m3 codes for bf16 products, quantize-in-kernel tiles quantize
+    activations (``cvt.rn.satfinite`` to e4m3), prefill tiles read e4m3 rows and multiply with
+    e4m3 wgmma."""
     pytest.importorskip("triton")
     from glm_fused.torch_backend.kernels import fp8, fused_moe
 
@@ -98,14 +99,24 @@ def test_fp8_kernels_compile_for_sm90():
     except Exception as exc:  # no ptxas in this Triton build
         pytest.skip(f"cannot compile for sm90 here: {type(exc).__name__}: {str(exc)[:200]}")
     assert "cvt.rn.satfinite.e4m3x2.f32" in quant.asm["ptx"]
-    for mode, tile in ((fused_moe.QUANT_IN_KERNEL, (16, 128, 128, 1, 4, 3)),
-                       (fused_moe.QUANTIZED_INPUT, (128, 128, 64, 8, 8, 4))):
+    for kind, bm, bn in ((fp8.DOT, 16, 32), (fp8.SWAP, 16, 64), (fp8.FMA, 1, 16)):
+        gemv = _sm90_compile(fp8._weight_only_kernel, {
+            "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
+            "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32", "stride_o": "i32"},
+            {"HAS_BIAS": False, "EVEN_K": True, "KIND": kind, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256})
+        assert "e4m3x2" in gemv.asm["ptx"]  # e4m3 codes widened in registers
+        assert ("mma" in gemv.asm["ptx"]) == (kind != fp8.FMA)  # bf16 tensor cores, or none
+    for mode, tile, swap in ((fused_moe.QUANT_IN_KERNEL, (16, 128, 128, 1, 4, 3), False),
+                             (fused_moe.WEIGHT_ONLY, (16, 32, 256, 1, 4, 4), False),
+                             (fused_moe.WEIGHT_ONLY, (16, 64, 128, 1, 4, 4), True),
+                             (fused_moe.QUANTIZED_INPUT, (128, 128, 64, 8, 8, 4), False)):
         bm, bn, bk, gm, warps, stages = tile
         a = "*fp8e4nv" if mode == fused_moe.QUANTIZED_INPUT else "*bf16"
         common = {"w_ptr": "*fp8e4nv", "sh_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "sh_s_ptr": "*fp32",
                   "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "N": "i32", "K": "i32", "num_m": "i32",
                   "shared_id": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_se": "i32"}
-        consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "PREC": "tf32", "FP8": mode}
+        consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "PREC": "tf32", "FP8": mode,
+                  "SWAP": swap}
         gate_up = _sm90_compile(fused_moe._gate_up_kernel, {
             "x_ptr": a, "xs_ptr": "*fp32", "h_ptr": "*bf16", "I": "i32", "stride_x": "i32", "stride_h": "i32",
             **common}, {"TOP_K": 9, **consts}, warps, stages)
@@ -116,6 +127,8 @@ def test_fp8_kernels_compile_for_sm90():
             ptx = kernel.asm["ptx"]
             if mode == fused_moe.QUANTIZED_INPUT:
                 assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+            elif mode == fused_moe.WEIGHT_ONLY:
+                assert "e4m3x2" in ptx and "satfinite" not in ptx  # codes widened; nothing quantized
             else:
                 assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
@@ -183,8 +196,8 @@ def test_decode_attention_at_air_sizes(cuda):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_cuda_graph_decode_matches_eager(cuda, monkeypatch, quantization):
-    """The runner's decode from CUDA graphs (padded batch sizes included) against eager steps
-    (bf16 weights, and dummy fp8 weights: fp8 GEMMs and the fp8 fused MoE inside the graphs)."""
+    """The runner's decode from CUDA graphs (padded batch sizes included) against eager steps (bf16 weights, and dummy fp8 weights: fp8 GEMMs and
+    the fp8 fused MoE inside the graphs)."""
     monkeypatch.setenv("GLM_FUSED_DEVICE", "gpu")
     import numpy as np
 

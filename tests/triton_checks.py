@@ -203,6 +203,13 @@ def check_fused_moe(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4
     out = fused_experts(x, wg[first:last], wd[first:last], w2, ids2, shared_weights=(sh_gu, sh_dn),
                         expert_range=expert_range)
     res["experts_shared_folded"] = rel(out, ref)
+    # swapped tiles (the weight tile as the MMA's A operand), as decode may pick them
+    from glm_fused.torch_backend.kernels.fused_moe import TileConfig
+
+    tile = TileConfig(16, 32, 32, 1, 4, 2, swap=True)
+    out = fused_experts(x, wg[first:last], wd[first:last], w2, ids2, shared_weights=(sh_gu, sh_dn),
+                        expert_range=expert_range, gate_up_cfg=tile, down_cfg=tile)
+    res["experts_swapped_tiles"] = rel(out, ref)
     return res
 
 
@@ -214,16 +221,38 @@ def check_fused_moe(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4
 # issue's rule for what activation quantization may cost).
 
 
-def emulated_ops():
-    """TorchOps whose fp8 Linear quantizes its input per row first, as the fp8 kernels do, in
-    plain torch (use with the kernels off: the composites then reach this Linear)."""
+def emulated_ops(moe_mode=None):
+    """TorchOps whose fp8 Linear does the fp8 kernels' maths in plain torch, in fp32: the input
+    quantized per row first where the kernel quantizes it (an fp8 Linear above
+    WEIGHT_ONLY_MAX_ROWS rows; the MoE's experts in their ``fp8_mode``, or ``moe_mode``), as it
+    comes where the kernel is weight-only. Use with the kernels off: the composites then reach
+    this Linear."""
+    from glm_fused.torch_backend.kernels.fp8 import WEIGHT_ONLY_MAX_ROWS
+    from glm_fused.torch_backend.kernels.fused_moe import WEIGHT_ONLY, fp8_mode
     from glm_fused.torch_backend.ops import TorchOps
 
     class Emulated(TorchOps):
+        expert_mode = None  # inside moe(): the mode of its experts' GEMMs
+
         def linear_fp8(self, x, w, bias=None):
-            xq = self.quantize_fp8(x.reshape(-1, x.shape[-1]))
-            y = self.linear(self.dequantize_fp8(xq), self.dequantize_fp8(w), None if bias is None else self.float32(bias))
+            x2 = x.reshape(-1, x.shape[-1])
+            quantize = (x2.shape[0] > WEIGHT_ONLY_MAX_ROWS if self.expert_mode is None
+                        else self.expert_mode != WEIGHT_ONLY)
+            a = self.dequantize_fp8(self.quantize_fp8(x2)) if quantize else x2.float()
+            y = self.linear(a, self.dequantize_fp8(w), None if bias is None else self.float32(bias))
             return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+        def moe(self, x, router_logits, bias, routing, gate_up, down, expert_range, shared_gate_up, shared_down):
+            # the shared expert rides in the experts' GEMMs when as wide as one (TorchOps.moe)
+            folded = shared_gate_up.shape[0] == gate_up.shape[1]
+            weights, ids = self.route(router_logits, bias, routing)
+            self.expert_mode = fp8_mode(x.shape[0]) if moe_mode is None else moe_mode
+            try:
+                routed = self.routed_experts(x, gate_up, down, weights, ids, expert_range)
+                shared = self.swiglu(x, shared_gate_up, shared_down) if folded else None
+            finally:
+                self.expert_mode = None
+            return routed + (shared if folded else self.swiglu(x, shared_gate_up, shared_down))
 
     return Emulated()
 
@@ -257,14 +286,22 @@ def check_fp8_quant(device, dtype, rows=7, cols=300, seed=6):
     return {"scale": rel(scale, ref.scale), "codes_off": float(off), "zero_row_nan": float(bool(scale.isnan().any()))}
 
 
-def check_linear_fp8(device, dtype, M=5, K=96, N=80, seed=7):
+def check_linear_fp8(device, dtype, M=5, K=96, N=80, seed=7, cfg=None):
+    """OPS.linear_fp8 on ``[2, M, K]``; ``cfg``: the weight-only tile (kernels.fp8.GemvConfig)."""
     from glm_fused.torch_backend import OPS
+    from glm_fused.torch_backend.kernels import fp8
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, M, K, generator=g).to(device, dtype)
     w = OPS.quantize_fp8((0.1 * torch.randn(N, K, generator=g)).to(device))
     bias = (0.1 * torch.randn(N, generator=g)).to(device, dtype)
-    out = OPS.linear_fp8(x, w, bias)
+    default = fp8.pick_gemv
+    if cfg is not None:
+        fp8.pick_gemv = lambda _rows: cfg
+    try:
+        out = OPS.linear_fp8(x, w, bias)
+    finally:
+        fp8.pick_gemv = default
     with _off():
         emulated = emulated_ops().linear_fp8(x, w, bias)
     fp32 = torch.nn.functional.linear(x.float(), OPS.dequantize_fp8(w), bias.float())
@@ -272,8 +309,12 @@ def check_linear_fp8(device, dtype, M=5, K=96, N=80, seed=7):
 
 
 def check_moe_fp8(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4, shared_width=None, expert_range=None,
-                  seed=8):
-    """TorchOps.moe with fp8 experts (the shared expert folded when as wide as a routed one)."""
+                  seed=8, mode=None, tile=None):
+    """TorchOps.moe with fp8 experts (the shared expert folded when as wide as a routed one), in
+    ``mode`` (fused_moe's fp8 modes; default: the one for T tokens), with ``tile`` (default:
+    the table's)."""
+    from glm_fused.torch_backend.kernels import fused_moe
+
     from glm_fused.model.ops import Routing
     from glm_fused.torch_backend import OPS
 
@@ -288,9 +329,17 @@ def check_moe_fp8(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4, 
     bias = (0.2 * torch.rand(experts, generator=g)).to(device)
     routing = Routing(experts, top_k, 1, 1, True, 2.5)
     args = (routing, gate_up, down, (first, last), sh_gate_up, sh_down)
-    out = OPS.moe(x, logits, bias, *args)
+    default = fused_moe.fp8_mode, fused_moe.pick
+    if mode is not None:
+        fused_moe.fp8_mode = lambda _tokens: mode
+    if tile is not None:
+        fused_moe.pick = lambda _configs, _tokens: tile
+    try:
+        out = OPS.moe(x, logits, bias, *args)
+    finally:
+        fused_moe.fp8_mode, fused_moe.pick = default
     with _off():
-        emulated = emulated_ops().moe(x, logits, bias, *args)
+        emulated = emulated_ops(mode).moe(x, logits, bias, *args)
         deq = [OPS.dequantize_fp8(w, str(dtype).removeprefix("torch.")) for w in (gate_up, down, sh_gate_up, sh_down)]
         fp32 = OPS.moe(x.float(), logits, bias, routing, deq[0].float(), deq[1].float(), (first, last), deq[2].float(),
                        deq[3].float())
@@ -407,6 +456,18 @@ def check_model(device, dtype, qk_norm=False, seed=4):
     return {f"step{i}": rel(a, b) for i, (a, b) in enumerate(zip(logits[True], logits[False]))}
 
 
+def _moe_tile(swap):
+    from glm_fused.torch_backend.kernels.fused_moe import TileConfig
+
+    return TileConfig(16, 32, 32, 1, 4, 2, swap=swap)
+
+
+def _gemv_tile(kind, block_m, block_n):
+    from glm_fused.torch_backend.kernels.fp8 import GemvConfig
+
+    return GemvConfig(kind, block_m, block_n, 32, 4, 2)
+
+
 CHECKS["model"] = check_model
 CHECKS["model_qk_norm"] = lambda d, t: check_model(d, t, qk_norm=True)
 CHECKS.update({
@@ -415,8 +476,17 @@ CHECKS.update({
     "moe_fp8_shared_apart": lambda d, t: check_moe_fp8(d, t, shared_width=96),
     "moe_fp8_partial": lambda d, t: check_moe_fp8(d, t, expert_range=(4, 12)),
     "moe_fp8_chunks": lambda d, t: check_moe_fp8(d, t, T=40, top_k=3, hidden=32, inter=32),
-    # from fused_moe.PREQUANT_MIN_TOKENS tokens x and h are quantized once, before each GEMM
+    # above fused_moe.WEIGHT_ONLY_MAX_TOKENS tokens x and h are quantized once, before each GEMM
     "moe_fp8_prequantized": lambda d, t: check_moe_fp8(d, t, T=70, top_k=3, hidden=32, inter=32),
+    "moe_fp8_quant_in_kernel": lambda d, t: check_moe_fp8(d, t, mode=1),
+    "moe_fp8_weight_only": lambda d, t: check_moe_fp8(d, t, mode=3),
+    "moe_fp8_weight_only_swapped": lambda d, t: check_moe_fp8(d, t, mode=3, tile=_moe_tile(swap=True)),
+    "linear_fp8_dot": lambda d, t: check_linear_fp8(d, t, cfg=_gemv_tile(0, 16, 32)),
+    "linear_fp8_swap": lambda d, t: check_linear_fp8(d, t, cfg=_gemv_tile(1, 16, 32)),
+    "linear_fp8_fma": lambda d, t: check_linear_fp8(d, t, M=1, cfg=_gemv_tile(2, 1, 16)),
+    # above WEIGHT_ONLY_MAX_ROWS rows: activations quantized per token, then _scaled_mm
+    "linear_fp8_quantized": lambda d, t: check_linear_fp8(d, t, M=11),
+    "linear_fp8_whole_k_tiles": lambda d, t: check_linear_fp8(d, t, M=3, K=512, N=48),
     "model_fp8": check_model_fp8,
 })
 

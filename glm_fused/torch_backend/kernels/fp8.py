@@ -1,13 +1,23 @@
 """FP8 activations: per-token quantization (Triton), and the fp8 Linear of the CUDA path.
 
-An fp8 Linear multiplies e4m3 activations by e4m3 weights: each token's activations are
-quantized on the fly with one scale per token (``scale = max|x| / 448``, the rule
-``Ops.quantize_fp8`` applies per weight row), the weights carry one scale per output row, and
-``torch._scaled_mm`` applies both scales to the fp32 products (cuBLAS's row-wise scaling on
-sm90). ``token_scale`` and ``to_fp8`` are the same rule inside other kernels (the fused MoE).
+An fp8 Linear has two ways, chosen by the number of rows:
+
+* up to WEIGHT_ONLY_MAX_ROWS rows (decode): weight-only. A Triton GEMV-like kernel reads the
+  e4m3 weight tiles, widens them to the activations' dtype in registers and multiplies in
+  bf16 with fp32 sums, then applies each output row's scale. Decode is bound by the weight
+  bytes, which are the same either way; quantizing the activations too would add a launch and
+  cuBLAS's fp8 GEMM at one row ran at less than half the HBM rate (docs/fp8.md).
+* above: each token's activations are quantized on the fly with one scale per token
+  (``scale = max|x| / 448``, the rule ``Ops.quantize_fp8`` applies per weight row), the weights
+  carry one scale per output row, and ``torch._scaled_mm`` applies both scales to the fp32
+  products (cuBLAS's row-wise scaling on sm90).
+
+``token_scale`` and ``to_fp8`` are the same rule inside other kernels (the fused MoE).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -69,10 +79,114 @@ def scaled_mm_fits(x: torch.Tensor, codes: torch.Tensor) -> bool:
 
 
 def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
-    """``x [..., K] @ (codes * scale[:, None])^T (+ bias)`` with fp8 products: ``x`` quantized
-    per token, ``codes [N, K]`` e4m3, ``scale [N]`` float32; the result in ``x``'s dtype."""
-    lead = x.shape[:-1]
-    xq, xs = per_token_quant(x.reshape(-1, x.shape[-1]))
-    out = torch._scaled_mm(xq, codes.t(), scale_a=xs[:, None], scale_b=scale[None, :], out_dtype=x.dtype,
-                           bias=bias)
-    return out.reshape(*lead, codes.shape[0])
+    """``x [..., K] @ (codes * scale[:, None])^T (+ bias)``: ``codes [N, K]`` e4m3, ``scale [N]``
+    float32; the result in ``x``'s dtype. Up to WEIGHT_ONLY_MAX_ROWS rows weight-only, above
+    with fp8 products (``x`` quantized per token)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    way = linear_fp8_weight_only if x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS else linear_fp8_scaled_mm
+    return way(x2, codes, scale, bias).reshape(*x.shape[:-1], codes.shape[0])
+
+
+def linear_fp8_scaled_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K]`` quantized per token, then ``torch._scaled_mm`` with both row-wise scales."""
+    xq, xs = per_token_quant(x)
+    return torch._scaled_mm(xq, codes.t(), scale_a=xs[:, None], scale_b=scale[None, :], out_dtype=x.dtype,
+                            bias=bias)
+
+
+# ---------------------------------------------------------------------------- weight-only
+# How a weight-only tile multiplies (constexpr KIND): tensor cores with the activations as
+# the MMA's A operand; "swap", the weight tile as A (its rows fill the MMA's 64-row side where
+# the few activation rows would be padding); or no tensor cores at all, one activation row per
+# program (multiply-adds in fp32, the weight read once per row: for one row).
+DOT, SWAP, FMA = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    kind: int
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+WEIGHT_ONLY_MAX_ROWS = 16  # up to this many rows the weight-only kernel (see the module docstring)
+# Keyed by the most rows; chosen on an H200 with scripts/bench_linear.py at GLM-4.5-Air's shapes.
+GEMV_CONFIGS = [
+    (16, GemvConfig(SWAP, 16, 64, 256, 4, 4)),
+]
+
+
+@triton.jit
+def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
+                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, KIND: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, cm = rows < M, cols < N
+    kk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :]  # [BLOCK_N, BLOCK_K], as stored
+    if KIND == 0:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    elif KIND == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:  # BLOCK_M == 1: products summed over K once, after the loop
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=rm[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=cm[:, None], other=0.0)
+        else:
+            km = kk < K - k0
+            x = tl.load(x_ptrs, mask=rm[:, None] & km[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=cm[:, None] & km[None, :], other=0.0)
+        if KIND == 0:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        elif KIND == 1:
+            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+        else:
+            acc += w.to(tl.float32) * x.to(tl.float32)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if KIND == 0:
+        y = acc
+    elif KIND == 1:
+        y = tl.trans(acc)
+    else:
+        y = tl.sum(acc, axis=1)[None, :]
+    y = y * tl.load(s_ptr + cols, mask=cm, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=rm[:, None] & cm[None, :])
+
+
+def pick_gemv(rows: int) -> GemvConfig:
+    for bound, cfg in GEMV_CONFIGS:
+        if rows <= bound:
+            return cfg
+    return GEMV_CONFIGS[-1][1]
+
+
+def linear_fp8_weight_only(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                           bias: torch.Tensor | None = None, cfg: GemvConfig | None = None) -> torch.Tensor:
+    """``x [M, K] @ (codes * scale[:, None])^T (+ bias)``, the weights widened in registers and
+    the activations as they are (no quantization): one launch."""
+    M, K = x.shape
+    N = codes.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    cfg = cfg or pick_gemv(M)
+    assert cfg.kind != FMA or cfg.block_m == 1, "an FMA tile holds one activation row"
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n))
+    _weight_only_kernel[grid](x, codes, scale, bias if bias is not None else scale, out, M, N, K, x.stride(0),
+                              codes.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                              EVEN_K=K % cfg.block_k == 0, KIND=cfg.kind, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                              BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out

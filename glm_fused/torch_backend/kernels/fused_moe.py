@@ -16,14 +16,20 @@ For T tokens with top-k experts each there are N = T * k (token, expert) pairs; 
 Each expert's weights are read once per BLOCK_M tokens routed to it - once in total at
 decode sizes - which is what the memory floor counts.
 
-fp8 weights (e4m3 codes with one float32 scale per weight row): the GEMMs multiply in fp8,
-the activations quantized per row (``x`` per token in ``gate_up``, ``h`` per pair in ``down``)
-and the fp32 products scaled by the row's activation scale and each output column's weight
-scale once, after the K loop. Up to PREQUANT_MIN_TOKENS tokens (decode) each program
-quantizes its own rows as it loads them (a first pass over K finds a row's largest
-magnitude): no extra launch. Above (prefill), where N-tiles would quantize the same rows many
-times over, ``x`` and ``h`` are quantized once (``kernels.fp8.per_token_quant``) and the
-GEMMs read e4m3 rows with their scales.
+fp8 weights (e4m3 codes with one float32 scale per weight row), three modes (``fp8_mode``):
+
+* WEIGHT_ONLY: the weight tiles are widened to the activations' dtype in registers and
+  multiplied in bf16, each output column's scale applied after the K loop. Decode reads the
+  weights once whatever the products are, so quantizing activations only adds work.
+* QUANT_IN_KERNEL: the GEMMs multiply in fp8, each program quantizing its own rows per row
+  (``x`` per token in ``gate_up``, ``h`` per pair in ``down``) as it loads them (a first pass
+  over K finds a row's largest magnitude), the fp32 products scaled by the row's scale and the
+  column's once, after the K loop.
+* QUANTIZED_INPUT, for prefill, where N-tiles would quantize the same rows many times over:
+  ``x`` and ``h`` are quantized once (``kernels.fp8.per_token_quant``) and the GEMMs read e4m3
+  rows with their scales.
+
+Which decode mode runs up to how many tokens is measured (FP8_DECODE_MODES).
 """
 
 from __future__ import annotations
@@ -38,9 +44,19 @@ from glm_fused.torch_backend.kernels import dot_precision, next_pow2
 from glm_fused.torch_backend.kernels.fp8 import per_token_quant, to_fp8, token_scale
 
 CHUNK = 64  # pairs per program in the align kernels
-PREQUANT_MIN_TOKENS = 65  # fp8: from this many tokens, activations are quantized once before each GEMM
-# fp8 modes of the GEMM kernels (constexpr FP8)
-NO_FP8, QUANT_IN_KERNEL, QUANTIZED_INPUT = 0, 1, 2
+# fp8 modes of the GEMM kernels (constexpr FP8; the module docstring says when each runs)
+NO_FP8, QUANT_IN_KERNEL, QUANTIZED_INPUT, WEIGHT_ONLY = 0, 1, 2, 3
+# fp8 decode: (most tokens, mode), chosen on an H200 with scripts/bench_moe.py --fp8 (docs/fp8.md);
+# above the last bound (prefill) x and h are quantized once per GEMM (QUANTIZED_INPUT).
+FP8_DECODE_MODES = [(1, QUANT_IN_KERNEL), (64, QUANT_IN_KERNEL)]
+
+
+def fp8_mode(num_tokens: int) -> int:
+    """The fp8 mode a step of ``num_tokens`` tokens runs in."""
+    for bound, mode in FP8_DECODE_MODES:
+        if num_tokens <= bound:
+            return mode
+    return QUANTIZED_INPUT
 
 
 # ---------------------------------------------------------------------------- router
@@ -244,7 +260,7 @@ def _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we):
 def _row_scales(a_ptrs, as_ptr, rows, mask, K, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp8 scales of the activation rows at ``a_ptrs`` (their first BLOCK_K columns): given
     (QUANTIZED_INPUT: ``as_ptr[rows]``), or found here (QUANT_IN_KERNEL: a pass over K for each
-    row's largest magnitude); unused without fp8."""
+    row's largest magnitude); ones for WEIGHT_ONLY, unused without fp8."""
     scale = tl.zeros([BLOCK_M], tl.float32)
     if FP8 == 1:
         kk = tl.arange(0, BLOCK_K)
@@ -254,17 +270,56 @@ def _row_scales(a_ptrs, as_ptr, rows, mask, K, FP8: tl.constexpr, BLOCK_M: tl.co
         scale = token_scale(scale)
     elif FP8 == 2:
         scale = tl.load(as_ptr + rows, mask=mask, other=0.0)
+    elif FP8 == 3:
+        scale += 1.0
     return scale
 
 
 @triton.jit
-def _dot(a, b, acc, a_scale, FP8: tl.constexpr, PREC: tl.constexpr):
+def _weight_tile(w_base, cols, kk, stride_wn, SWAP: tl.constexpr):
+    """Pointers to a weight tile: ``[BLOCK_K, BLOCK_N]`` (W^T, the MMA's B operand), or with
+    SWAP ``[BLOCK_N, BLOCK_K]`` as stored (the MMA's A operand: its rows fill the 64-row side
+    that a decode step's few tokens would leave as padding)."""
+    if SWAP:
+        ptrs = w_base + cols[:, None].to(tl.int64) * stride_wn + kk[None, :]
+    else:
+        ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    return ptrs
+
+
+@triton.jit
+def _load_weight_tile(ptrs, km, cm, SWAP: tl.constexpr):
+    if SWAP:
+        w = tl.load(ptrs, mask=cm[:, None] & km[None, :], other=0.0)
+    else:
+        w = tl.load(ptrs, mask=km[:, None] & cm[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _zeros_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    """The fp32 accumulator: ``[BLOCK_M, BLOCK_N]``, transposed with SWAP."""
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    return acc
+
+
+@triton.jit
+def _dot(a, b, acc, a_scale, FP8: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr):
     """``acc + a @ b``; fp8: ``a`` (quantized here with its row scales, or given in e4m3) times
-    e4m3 ``b`` (the scales are applied to ``acc`` after the K loop)."""
-    if FP8 == 1:
+    e4m3 ``b``, or (WEIGHT_ONLY) ``a`` times ``b`` widened to ``a``'s dtype (the scales are
+    applied to ``acc`` after the K loop). SWAP (no fp8 activations): ``acc + b @ a^T``, ``b``
+    a ``[BLOCK_N, BLOCK_K]`` tile."""
+    if SWAP:
+        out = tl.dot(b.to(a.dtype), tl.trans(a), acc, input_precision=PREC)
+    elif FP8 == 1:
         out = tl.dot(to_fp8(a.to(tl.float32), a_scale[:, None]), b, acc)
     elif FP8 == 2:
         out = tl.dot(a, b, acc)
+    elif FP8 == 3:
+        out = tl.dot(a, b.to(a.dtype), acc, input_precision=PREC)
     else:
         out = tl.dot(a, b, acc, input_precision=PREC)
     return out
@@ -274,7 +329,7 @@ def _dot(a, b, acc, a_scale, FP8: tl.constexpr, PREC: tl.constexpr):
 def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, h_ptr, sorted_ptr, block_expert_ptr, N, K, I, num_m,
                     shared_id, stride_x, stride_we, stride_wn, stride_se, stride_h, TOP_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    PREC: tl.constexpr, FP8: tl.constexpr):
+                    PREC: tl.constexpr, FP8: tl.constexpr, SWAP: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, pair, valid = _block_rows(block_expert_ptr, sorted_ptr, pid_m, N, BLOCK_M)
     if e < 0:
@@ -285,21 +340,23 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, h_ptr, sorte
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_x + kk[None, :]
     w_base = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we)
-    g_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    g_ptrs = _weight_tile(w_base, cols, kk, stride_wn, SWAP)
     u_ptrs = g_ptrs + I * stride_wn
     a_scale = _row_scales(a_ptrs, xs_ptr, tok, valid, K, FP8, BLOCK_M, BLOCK_K)  # fp8: per token
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_g = _zeros_acc(BLOCK_M, BLOCK_N, SWAP)
+    acc_u = _zeros_acc(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, K, BLOCK_K):
         km = kk < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
-        acc_g = _dot(a, g, acc_g, a_scale, FP8, PREC)
-        acc_u = _dot(a, u, acc_u, a_scale, FP8, PREC)
+        g = _load_weight_tile(g_ptrs, km, cm, SWAP)
+        u = _load_weight_tile(u_ptrs, km, cm, SWAP)
+        acc_g = _dot(a, g, acc_g, a_scale, FP8, PREC, SWAP)
+        acc_u = _dot(a, u, acc_u, a_scale, FP8, PREC, SWAP)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if SWAP:
+        acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
     if FP8 != 0:  # the row scales of this expert's gate and up rows
         s_base = _expert_weights(ws_ptr, sh_s_ptr, e, shared_id, stride_se)
         acc_g = acc_g * a_scale[:, None] * tl.load(s_base + cols, mask=cm, other=0.0)[None, :]
@@ -314,7 +371,7 @@ def _down_kernel(h_ptr, hs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, y_ptr, pw_ptr, 
                  num_m,
                  shared_id, stride_h, stride_we, stride_wn, stride_se, stride_y,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 PREC: tl.constexpr, FP8: tl.constexpr):
+                 PREC: tl.constexpr, FP8: tl.constexpr, SWAP: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, pair, valid = _block_rows(block_expert_ptr, sorted_ptr, pid_m, N, BLOCK_M)
     if e < 0:
@@ -325,16 +382,18 @@ def _down_kernel(h_ptr, hs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, y_ptr, pw_ptr, 
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None] * stride_h + kk[None, :]
     w_base = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we)
-    b_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    b_ptrs = _weight_tile(w_base, cols, kk, stride_wn, SWAP)
     a_scale = _row_scales(a_ptrs, hs_ptr, rows, valid, K, FP8, BLOCK_M, BLOCK_K)  # fp8: per pair
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, K, BLOCK_K):
         km = kk < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
-        acc = _dot(a, b, acc, a_scale, FP8, PREC)
+        b = _load_weight_tile(b_ptrs, km, cm, SWAP)
+        acc = _dot(a, b, acc, a_scale, FP8, PREC, SWAP)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if SWAP:
+        acc = tl.trans(acc)
     if FP8 != 0:
         s_base = _expert_weights(ws_ptr, sh_s_ptr, e, shared_id, stride_se)
         acc = acc * a_scale[:, None] * tl.load(s_base + cols, mask=cm, other=0.0)[None, :]
@@ -367,6 +426,7 @@ class TileConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    swap: bool = False  # the weight tile as the MMA's A operand (no fp8 activations: see _weight_tile)
 
 
 # Chosen on an H200 with scripts/bench_moe.py at GLM-4.5-Air sizes (docs/speed.md has the
@@ -388,10 +448,14 @@ DOWN_CONFIGS = [
 ]
 
 
-# fp8 weights: the bf16 tiles until swept with scripts/bench_moe.py --fp8 (fp8 reads half the
-# bytes per tile and its dot wants BLOCK_K >= 32; every entry above qualifies).
-FP8_GATE_UP_CONFIGS = GATE_UP_CONFIGS
-FP8_DOWN_CONFIGS = DOWN_CONFIGS
+# fp8 weights: decode tiles from scripts/bench_moe.py --fp8 (docs/fp8.md; fp8's dot wants
+# BLOCK_K >= 32), prefill the bf16 tiles.
+_FP8_DECODE_TILES = [
+    (1, TileConfig(16, 64, 128, 1, 8, 4)),
+    (64, TileConfig(16, 128, 128, 1, 4, 3)),
+]
+FP8_GATE_UP_CONFIGS = _FP8_DECODE_TILES + GATE_UP_CONFIGS[-2:]
+FP8_DOWN_CONFIGS = _FP8_DECODE_TILES + DOWN_CONFIGS[-2:]
 
 
 def pick(configs, num_tokens: int) -> TileConfig:
@@ -406,7 +470,7 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                   shared_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
                   expert_range: tuple[int, int] | None = None,
                   scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  shared_scales: tuple[torch.Tensor, torch.Tensor] | None = None, prequantize: bool | None = None,
+                  shared_scales: tuple[torch.Tensor, torch.Tensor] | None = None, mode: int | None = None,
                   gate_up_cfg: TileConfig | None = None, down_cfg: TileConfig | None = None) -> torch.Tensor:
     """Routed experts (+ the shared expert) for ``x [T, H]``.
 
@@ -419,9 +483,8 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     (an expert-parallel shard): pairs routed elsewhere add zero.
 
     fp8: the weights are e4m3 codes and ``scales=(gate_up [E, 2I], down [E, H])`` their float32
-    row scales (``shared_scales=(gate_up [2I], down [H])`` for folded shared weights); the
-    activations are quantized per token (per pair for ``down``): inside the GEMMs, or once
-    before each (``prequantize``; default: from PREQUANT_MIN_TOKENS tokens).
+    row scales (``shared_scales=(gate_up [2I], down [H])`` for folded shared weights), run in
+    ``mode`` (default ``fp8_mode(T)``; the module docstring has the three).
     """
     T, H = x.shape
     E, two_i, _ = w_gate_up.shape
@@ -465,8 +528,9 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         # bf16 tiles' shared memory (the prefill tile's 4 stages needed 288 KiB of the H200's 227)
         cu, cd = (replace(c, block_k=max(16, c.block_k // 2)) for c in (cu, cd))
 
-    mode = NO_FP8 if not fp8 else QUANTIZED_INPUT if (
-        T >= PREQUANT_MIN_TOKENS if prequantize is None else prequantize) else QUANT_IN_KERNEL
+    mode = NO_FP8 if not fp8 else fp8_mode(T) if mode is None else mode
+    if mode in (QUANT_IN_KERNEL, QUANTIZED_INPUT):  # swapped tiles take the rows unquantized
+        cu, cd = replace(cu, swap=False), replace(cd, swap=False)
     a, a_scale = per_token_quant(x) if mode == QUANTIZED_INPUT else (x, x)  # (x: an unused pointer)
 
     al = align(local, slots, cu.block_m)
@@ -476,7 +540,7 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         a, a_scale, w_gate_up, sh_gate_up, s_gate_up, sh_s_gate_up, h, al.sorted_pairs, al.block_expert, N, H, I, num_m,
         shared_id, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), h.stride(0),
         TOP_K=width, BLOCK_M=cu.block_m, BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, GROUP_M=cu.group_m, PREC=prec,
-        FP8=mode, num_warps=cu.num_warps, num_stages=cu.num_stages)
+        FP8=mode, SWAP=cu.swap, num_warps=cu.num_warps, num_stages=cu.num_stages)
 
     if cd.block_m != cu.block_m:
         al = align(local, slots, cd.block_m)
@@ -490,7 +554,7 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         h, h_scale, w_down, sh_down, s_down, sh_s_down, y, weights.reshape(-1), al.sorted_pairs, al.block_expert, N, I, H,
         num_m, shared_id, h.stride(0), w_down.stride(0), w_down.stride(1), s_down.stride(0), y.stride(0),
         BLOCK_M=cd.block_m, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k, GROUP_M=cd.group_m, PREC=prec,
-        FP8=mode, num_warps=cd.num_warps, num_stages=cd.num_stages)
+        FP8=mode, SWAP=cd.swap, num_warps=cd.num_warps, num_stages=cd.num_stages)
 
     block = min(1024, next_pow2(H))
     _combine_kernel[(T, triton.cdiv(H, block))](y, shared if shared is not None else y, out, H, TOP_K=width,
