@@ -278,8 +278,8 @@ class ModelRunner:
         """Normed hidden states of the logits rows: a replayed decode graph, or the eager forward."""
         F = self.F
         if self.graphs is not None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch)
-            if not np.array_equal(batch.logits_indices, np.arange(batch.num_seqs)):
+            hidden = self.graphs.run(batch)  # a row per token
+            if not np.array_equal(batch.logits_indices, np.arange(batch.num_tokens)):
                 hidden = F.index_rows(hidden, F.tensor(batch.logits_indices, like=hidden))
             return hidden
         like = self.model.embed_tokens.weight

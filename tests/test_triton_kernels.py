@@ -196,7 +196,8 @@ def test_decode_attention_at_air_sizes(cuda):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_cuda_graph_decode_matches_eager(cuda, monkeypatch, quantization):
-    """The runner's decode from CUDA graphs (padded batch sizes included) against eager steps (bf16 weights, and dummy fp8 weights: fp8 GEMMs and
+    """The runner's decode from CUDA graphs (padded batch sizes included; short prompt chunks
+    as a row per token) against eager steps (bf16 weights, and dummy fp8 weights: fp8 GEMMs and
     the fp8 fused MoE inside the graphs)."""
     monkeypatch.setenv("GLM_FUSED_DEVICE", "gpu")
     import numpy as np
@@ -231,6 +232,15 @@ def test_cuda_graph_decode_matches_eager(cuda, monkeypatch, quantization):
                                                 [lens[1] + 1], [11], tables[1:2])))
         outs.append(runner.forward(ForwardBatch.decode([21, 22], [lens[0], lens[1] + 13],
                                                        [tables[0, :2], tables[1, :2]])))
+        # Short prompt chunks replay the graphs, a row per token: 5 tokens after a context (every
+        # row's logits), then one decode beside a 4-token chunk (the graphs hold 6 rows).
+        short = [ForwardBatch([31, 32, 33, 34, 35], np.arange(lens[1] + 14, lens[1] + 19), [5], [lens[1] + 14],
+                              np.arange(5), tables[1:2]),
+                 ForwardBatch([23, 40, 41, 42, 43], [lens[0] + 1, lens[2], lens[2] + 1, lens[2] + 2, lens[2] + 3],
+                              [1, 4], [lens[0] + 1, lens[2]], [0, 4], tables[[0, 2]])]
+        for batch in short:
+            assert (runner.graphs is not None and runner.graphs.can_run(batch)) == graph
+            outs.append(runner.forward(batch))
         logits[graph] = outs
         stats = runner.fusion_stats()
         assert stats["fused_allreduce_norm_calls"] == 2 * config.num_hidden_layers + 1, stats

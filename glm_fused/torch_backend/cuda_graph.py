@@ -15,6 +15,16 @@ full (contiguous, so one asynchronous copy from pinned memory: at 131,072 positi
 16-token blocks that is 32 KiB per row). The fused all-reduce workspace must exist before
 capture (the runner makes it first). Graphs share one memory pool, captured largest first.
 
+A short prompt chunk replays the same graphs (``run`` takes any batch ``can_run`` accepts): each
+of its tokens becomes a row of its own, at its position, over its sequence's block table, with
+position + 1 keys - the causal mask, since every row's key is written before any row attends.
+An eager step of 20 layers spends ~20 ms launching kernels one by one, so a 32-token prompt
+after a cached 2,048-token prefix would wait as long as a fresh short prompt. The rows re-read
+their sequence's keys once each, so a step qualifies only while the keys its chunks re-read,
+sum of query_len * (context + query_len), stay within PROMPT_KEY_READS (about what a full
+decode batch at 2,048 tokens reads; the keys of one sequence sit in L2 for the rows after the
+first).
+
 An input id of -1 is a placeholder for the token the previous step sampled for that
 sequence (the engine schedules a step before the previous one's tokens reach the host):
 inside the graph it is read from ``next_tokens[row]``, the runner's device buffer. The host
@@ -30,6 +40,9 @@ import torch
 from glm_fused.batch import ForwardBatch
 from glm_fused.fused_op.stats import FusionStats
 from glm_fused.model.attention import AttentionMetadata
+
+
+PROMPT_KEY_READS = 64 * 2048  # a step with prompt chunks replays a graph up to this many key reads (docstring)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -90,24 +103,27 @@ class DecodeGraphs:
         self._pinned_tables[start:, 0] = 0
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return (batch.num_seqs <= self.sizes[-1] and bool(np.all(batch.query_lens == 1))
+        chunks = batch.query_lens > 1
+        key_reads = int((batch.query_lens[chunks] * (batch.context_lens[chunks] + batch.query_lens[chunks])).sum())
+        return (batch.num_tokens <= self.sizes[-1] and key_reads <= PROMPT_KEY_READS
                 and batch.block_tables.shape[1] <= self.tables.shape[1])
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Normed hidden states ``[S, H]`` of a decode batch (one token per sequence)."""
-        S = batch.num_seqs
-        bs = next(s for s in self.sizes if s >= S)
+        """Normed hidden states ``[T, H]`` of a batch ``can_run`` accepts: one row per token."""
+        T = batch.num_tokens
+        bs = next(s for s in self.sizes if s >= T)
         self._turn ^= 1
         self._pinned, self._pinned_tables = self._staging[self._turn]
         if self._copied[self._turn] is not None:
             self._copied[self._turn].synchronize()  # two steps back: long done in practice
         host = self._pinned.numpy()
-        host[0, :S], host[1, :S] = batch.input_ids, batch.positions
-        host[2, :S] = batch.slot_mapping(self.block_size)
-        host[3, :S] = batch.context_lens + 1
-        host[4, :S] = batch.rows
-        self._fill_padding(S)
-        self._pinned_tables.numpy()[:S, :batch.block_tables.shape[1]] = batch.block_tables
+        host[0, :T], host[1, :T] = batch.input_ids, batch.positions
+        host[2, :T] = batch.slot_mapping(self.block_size)
+        host[3, :T] = batch.positions + 1
+        host[4, :T] = np.repeat(batch.rows, batch.query_lens)
+        self._fill_padding(T)
+        tables = batch.block_tables if T == batch.num_seqs else np.repeat(batch.block_tables, batch.query_lens, 0)
+        self._pinned_tables.numpy()[:T, :tables.shape[1]] = tables
         self.inputs[:, :bs].copy_(self._pinned[:, :bs], non_blocking=True)
         self.tables[:bs].copy_(self._pinned_tables[:bs], non_blocking=True)
         self._copied[self._turn] = torch.cuda.Event()
@@ -115,4 +131,4 @@ class DecodeGraphs:
         graph, out, stats = self.graphs[bs]
         graph.replay()
         self.model.comm.stats.add(stats)
-        return out[:S]
+        return out[:T]
