@@ -116,7 +116,10 @@ class GemvConfig:
 WEIGHT_ONLY_MAX_ROWS = 16  # up to this many rows the weight-only kernel (see the module docstring)
 # Keyed by the most rows; chosen on an H200 with scripts/bench_linear.py at GLM-4.5-Air's shapes.
 GEMV_CONFIGS = [
-    (16, GemvConfig(SWAP, 16, 64, 256, 4, 4)),
+    (1, GemvConfig(FMA, 1, 8, 1024, 4, 3)),
+    (4, GemvConfig(DOT, 16, 32, 256, 4, 4)),
+    (8, GemvConfig(DOT, 16, 32, 256, 4, 4)),
+    (16, GemvConfig(DOT, 16, 32, 512, 4, 3)),
 ]
 
 

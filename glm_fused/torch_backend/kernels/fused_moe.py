@@ -48,7 +48,7 @@ CHUNK = 64  # pairs per program in the align kernels
 NO_FP8, QUANT_IN_KERNEL, QUANTIZED_INPUT, WEIGHT_ONLY = 0, 1, 2, 3
 # fp8 decode: (most tokens, mode), chosen on an H200 with scripts/bench_moe.py --fp8 (docs/fp8.md);
 # above the last bound (prefill) x and h are quantized once per GEMM (QUANTIZED_INPUT).
-FP8_DECODE_MODES = [(1, QUANT_IN_KERNEL), (64, QUANT_IN_KERNEL)]
+FP8_DECODE_MODES = [(1, QUANT_IN_KERNEL), (8, WEIGHT_ONLY), (64, QUANT_IN_KERNEL)]
 
 
 def fp8_mode(num_tokens: int) -> int:
@@ -452,6 +452,7 @@ DOWN_CONFIGS = [
 # BLOCK_K >= 32), prefill the bf16 tiles.
 _FP8_DECODE_TILES = [
     (1, TileConfig(16, 64, 128, 1, 8, 4)),
+    (8, TileConfig(16, 32, 128, 1, 4, 4)),
     (64, TileConfig(16, 128, 128, 1, 4, 3)),
 ]
 FP8_GATE_UP_CONFIGS = _FP8_DECODE_TILES + GATE_UP_CONFIGS[-2:]
