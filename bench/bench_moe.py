@@ -34,11 +34,13 @@ from bench.reference import rel_error
 SMALL = [(16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 128, 128, 1, 4, 3),
          (16, 64, 128, 1, 8, 4), (32, 64, 128, 1, 4, 4)]
 # fp8 tiles read half the bytes: wider K steps and narrower N (more programs at batch 1).
-# A seventh field True: swapped (TileConfig.swap, the weight tile as the MMA's A operand).
+# A seventh field: TileConfig.kind (1 swapped: the weight tile as the MMA's A operand; 2 FMA: no
+# tensor cores, one pair per program, for one token).
 SMALL_FP8 = [(16, 32, 256, 1, 4, 4), (16, 64, 256, 1, 4, 4), (16, 128, 256, 1, 4, 3),
-             (16, 64, 128, 1, 4, 4, True), (16, 128, 128, 1, 4, 3, True), (16, 64, 256, 1, 4, 3, True),
-             (16, 128, 64, 1, 4, 4, True), (16, 64, 128, 1, 8, 4, True), (16, 128, 128, 1, 8, 4, True),
-             (16, 64, 64, 1, 4, 4, True)]
+             (16, 64, 128, 1, 4, 4, 1), (16, 128, 128, 1, 4, 3, 1), (16, 64, 256, 1, 4, 3, 1),
+             (16, 128, 64, 1, 4, 4, 1), (16, 64, 128, 1, 8, 4, 1), (16, 128, 128, 1, 8, 4, 1),
+             (16, 64, 64, 1, 4, 4, 1)]
+FMA_FP8 = [(1, bn, bk, 1, w, 3, 2) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8)]
 LARGE_GATE_UP = [(128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 64, 64, 8, 4, 4), (128, 64, 64, 8, 8, 4),
                  (128, 64, 128, 8, 8, 3), (64, 128, 64, 8, 4, 4), (128, 128, 64, 4, 8, 3), (128, 128, 64, 16, 8, 3),
                  (256, 64, 64, 8, 8, 3), (64, 128, 64, 8, 8, 4), (64, 128, 128, 8, 8, 3), (64, 256, 64, 8, 8, 3),
@@ -126,8 +128,9 @@ def run(args) -> dict:
         measure("loop", lambda: OPS.routed_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids.long(), (0, E)))
         if not args.fp8:
             measure("grouped_mm", lambda: grouped_mm_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids))
-        if small and args.fp8:  # both decode modes (fused_moe's docstring) in every tile; swapped tiles
-            for cand in SMALL + SMALL_FP8:  # take unquantized rows: weight-only
+        if small and args.fp8:  # both decode modes (fused_moe's docstring) in every tile; swapped and
+            # FMA tiles take unquantized rows: weight-only
+            for cand in SMALL + SMALL_FP8 + (FMA_FP8 if T == 1 else []):
                 modes = [(fm.WEIGHT_ONLY, "weight-only")] + [(fm.QUANT_IN_KERNEL, "quant-in-kernel")] * (len(cand) == 6)
                 for mode, tag in modes:
                     measure(f"triton {tag} gate_up={cand} down={cand}", triton_fn(cand, cand, mode))

@@ -106,17 +106,18 @@ def test_fp8_kernels_compile_for_sm90():
             {"HAS_BIAS": False, "EVEN_K": True, "KIND": kind, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256})
         assert "e4m3x2" in gemv.asm["ptx"]  # e4m3 codes widened in registers
         assert ("mma" in gemv.asm["ptx"]) == (kind != fp8.FMA)  # bf16 tensor cores, or none
-    for mode, tile, swap in ((fused_moe.QUANT_IN_KERNEL, (16, 128, 128, 1, 4, 3), False),
-                             (fused_moe.WEIGHT_ONLY, (16, 32, 256, 1, 4, 4), False),
-                             (fused_moe.WEIGHT_ONLY, (16, 64, 128, 1, 4, 4), True),
-                             (fused_moe.QUANTIZED_INPUT, (128, 128, 64, 8, 8, 4), False)):
+    for mode, tile, kind in ((fused_moe.QUANT_IN_KERNEL, (16, 128, 128, 1, 4, 3), fused_moe.MMA),
+                             (fused_moe.WEIGHT_ONLY, (16, 32, 256, 1, 4, 4), fused_moe.MMA),
+                             (fused_moe.WEIGHT_ONLY, (16, 64, 128, 1, 4, 4), fused_moe.SWAP),
+                             (fused_moe.WEIGHT_ONLY, (1, 8, 512, 1, 4, 3), fused_moe.FMA),
+                             (fused_moe.QUANTIZED_INPUT, (128, 128, 64, 8, 8, 4), fused_moe.MMA)):
         bm, bn, bk, gm, warps, stages = tile
         a = "*fp8e4nv" if mode == fused_moe.QUANTIZED_INPUT else "*bf16"
         common = {"w_ptr": "*fp8e4nv", "sh_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "sh_s_ptr": "*fp32",
                   "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "N": "i32", "K": "i32", "num_m": "i32",
                   "shared_id": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_se": "i32"}
         consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "PREC": "tf32", "FP8": mode,
-                  "SWAP": swap}
+                  "KIND": kind}
         gate_up = _sm90_compile(fused_moe._gate_up_kernel, {
             "x_ptr": a, "xs_ptr": "*fp32", "h_ptr": "*bf16", "I": "i32", "stride_x": "i32", "stride_h": "i32",
             **common}, {"TOP_K": 9, **consts}, warps, stages)

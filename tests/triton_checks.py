@@ -203,13 +203,12 @@ def check_fused_moe(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4
     out = fused_experts(x, wg[first:last], wd[first:last], w2, ids2, shared_weights=(sh_gu, sh_dn),
                         expert_range=expert_range)
     res["experts_shared_folded"] = rel(out, ref)
-    # swapped tiles (the weight tile as the MMA's A operand), as decode may pick them
-    from glm_fused.torch_backend.kernels.fused_moe import TileConfig
-
-    tile = TileConfig(16, 32, 32, 1, 4, 2, swap=True)
-    out = fused_experts(x, wg[first:last], wd[first:last], w2, ids2, shared_weights=(sh_gu, sh_dn),
-                        expert_range=expert_range, gate_up_cfg=tile, down_cfg=tile)
-    res["experts_swapped_tiles"] = rel(out, ref)
+    # swapped and FMA tiles (fused_moe.SWAP, fused_moe.FMA), as decode may pick them
+    for name, kind in (("swapped", 1), ("fma", 2)):
+        tile = _moe_tile(kind)
+        out = fused_experts(x, wg[first:last], wd[first:last], w2, ids2, shared_weights=(sh_gu, sh_dn),
+                            expert_range=expert_range, gate_up_cfg=tile, down_cfg=tile)
+        res[f"experts_{name}_tiles"] = rel(out, ref)
     return res
 
 
@@ -456,10 +455,10 @@ def check_model(device, dtype, qk_norm=False, seed=4):
     return {f"step{i}": rel(a, b) for i, (a, b) in enumerate(zip(logits[True], logits[False]))}
 
 
-def _moe_tile(swap):
-    from glm_fused.torch_backend.kernels.fused_moe import TileConfig
+def _moe_tile(kind):
+    from glm_fused.torch_backend.kernels.fused_moe import FMA, TileConfig
 
-    return TileConfig(16, 32, 32, 1, 4, 2, swap=swap)
+    return TileConfig(1 if kind == FMA else 16, 32, 32, 1, 4, 2, kind=kind)
 
 
 def _gemv_tile(kind, block_m, block_n):
@@ -480,7 +479,10 @@ CHECKS.update({
     "moe_fp8_prequantized": lambda d, t: check_moe_fp8(d, t, T=70, top_k=3, hidden=32, inter=32),
     "moe_fp8_quant_in_kernel": lambda d, t: check_moe_fp8(d, t, mode=1),
     "moe_fp8_weight_only": lambda d, t: check_moe_fp8(d, t, mode=3),
-    "moe_fp8_weight_only_swapped": lambda d, t: check_moe_fp8(d, t, mode=3, tile=_moe_tile(swap=True)),
+    "moe_fp8_weight_only_swapped": lambda d, t: check_moe_fp8(d, t, mode=3, tile=_moe_tile(1)),
+    "moe_fp8_weight_only_fma": lambda d, t: check_moe_fp8(d, t, T=1, mode=3, tile=_moe_tile(2)),
+    # an FMA tile asked for in a quantizing mode runs as an MMA tile
+    "moe_fp8_fma_tile_quantized": lambda d, t: check_moe_fp8(d, t, T=1, mode=1, tile=_moe_tile(2)),
     "linear_fp8_dot": lambda d, t: check_linear_fp8(d, t, cfg=_gemv_tile(0, 16, 32)),
     "linear_fp8_swap": lambda d, t: check_linear_fp8(d, t, cfg=_gemv_tile(1, 16, 32)),
     "linear_fp8_fma": lambda d, t: check_linear_fp8(d, t, M=1, cfg=_gemv_tile(2, 1, 16)),

@@ -48,7 +48,7 @@ CHUNK = 64  # pairs per program in the align kernels
 NO_FP8, QUANT_IN_KERNEL, QUANTIZED_INPUT, WEIGHT_ONLY = 0, 1, 2, 3
 # fp8 decode: (most tokens, mode), chosen on an H200 with scripts/bench_moe.py --fp8 (docs/fp8.md);
 # above the last bound (prefill) x and h are quantized once per GEMM (QUANTIZED_INPUT).
-FP8_DECODE_MODES = [(1, QUANT_IN_KERNEL), (8, WEIGHT_ONLY), (64, QUANT_IN_KERNEL)]
+FP8_DECODE_MODES = [(1, WEIGHT_ONLY), (8, WEIGHT_ONLY), (64, QUANT_IN_KERNEL)]
 
 
 def fp8_mode(num_tokens: int) -> int:
@@ -275,45 +275,69 @@ def _row_scales(a_ptrs, as_ptr, rows, mask, K, FP8: tl.constexpr, BLOCK_M: tl.co
     return scale
 
 
+# How a tile multiplies (TileConfig.kind, constexpr KIND): tensor cores with the activation rows
+# as the MMA's A operand; SWAP, the weight tile as A (its rows fill the MMA's 64-row side that a
+# decode step's few tokens would leave as padding); FMA, no tensor cores: one pair per program
+# (BLOCK_M 1), multiply-adds in fp32, for one-token steps, where an MMA tile is mostly padding.
+# SWAP and FMA take unquantized rows (no fp8 activations).
+MMA, SWAP, FMA = 0, 1, 2
+
+
 @triton.jit
-def _weight_tile(w_base, cols, kk, stride_wn, SWAP: tl.constexpr):
-    """Pointers to a weight tile: ``[BLOCK_K, BLOCK_N]`` (W^T, the MMA's B operand), or with
-    SWAP ``[BLOCK_N, BLOCK_K]`` as stored (the MMA's A operand: its rows fill the 64-row side
-    that a decode step's few tokens would leave as padding)."""
-    if SWAP:
-        ptrs = w_base + cols[:, None].to(tl.int64) * stride_wn + kk[None, :]
-    else:
+def _weight_tile(w_base, cols, kk, stride_wn, KIND: tl.constexpr):
+    """Pointers to a weight tile: ``[BLOCK_K, BLOCK_N]`` (W^T, the MMA's B operand), or as
+    stored, ``[BLOCK_N, BLOCK_K]`` (SWAP, FMA)."""
+    if KIND == 0:
         ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None]
+    else:
+        ptrs = w_base + cols[:, None].to(tl.int64) * stride_wn + kk[None, :]
     return ptrs
 
 
 @triton.jit
-def _load_weight_tile(ptrs, km, cm, SWAP: tl.constexpr):
-    if SWAP:
-        w = tl.load(ptrs, mask=cm[:, None] & km[None, :], other=0.0)
-    else:
+def _load_weight_tile(ptrs, km, cm, KIND: tl.constexpr):
+    if KIND == 0:
         w = tl.load(ptrs, mask=km[:, None] & cm[None, :], other=0.0)
+    else:
+        w = tl.load(ptrs, mask=cm[:, None] & km[None, :], other=0.0)
     return w
 
 
 @triton.jit
-def _zeros_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
-    """The fp32 accumulator: ``[BLOCK_M, BLOCK_N]``, transposed with SWAP."""
-    if SWAP:
+def _zeros_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr):
+    """The fp32 accumulator: ``[BLOCK_M, BLOCK_N]``; transposed for SWAP; for FMA the products
+    ``[BLOCK_N, BLOCK_K]``, summed over K once after the loop (``_finish_acc``)."""
+    if KIND == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    elif KIND == 2:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     return acc
 
 
 @triton.jit
-def _dot(a, b, acc, a_scale, FP8: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr):
+def _finish_acc(acc, KIND: tl.constexpr):
+    """The accumulator as ``[BLOCK_M, BLOCK_N]``."""
+    if KIND == 1:
+        out = tl.trans(acc)
+    elif KIND == 2:
+        out = tl.sum(acc, axis=1)[None, :]
+    else:
+        out = acc
+    return out
+
+
+@triton.jit
+def _dot(a, b, acc, a_scale, FP8: tl.constexpr, PREC: tl.constexpr, KIND: tl.constexpr):
     """``acc + a @ b``; fp8: ``a`` (quantized here with its row scales, or given in e4m3) times
     e4m3 ``b``, or (WEIGHT_ONLY) ``a`` times ``b`` widened to ``a``'s dtype (the scales are
-    applied to ``acc`` after the K loop). SWAP (no fp8 activations): ``acc + b @ a^T``, ``b``
-    a ``[BLOCK_N, BLOCK_K]`` tile."""
-    if SWAP:
+    applied to ``acc`` after the K loop). SWAP: ``acc + b @ a^T``; FMA: ``acc + b * a`` (one row
+    ``a``, summed later); ``b`` then a ``[BLOCK_N, BLOCK_K]`` tile."""
+    if KIND == 1:
         out = tl.dot(b.to(a.dtype), tl.trans(a), acc, input_precision=PREC)
+    elif KIND == 2:
+        out = acc + b.to(tl.float32) * a.to(tl.float32)
     elif FP8 == 1:
         out = tl.dot(to_fp8(a.to(tl.float32), a_scale[:, None]), b, acc)
     elif FP8 == 2:
@@ -329,7 +353,7 @@ def _dot(a, b, acc, a_scale, FP8: tl.constexpr, PREC: tl.constexpr, SWAP: tl.con
 def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, h_ptr, sorted_ptr, block_expert_ptr, N, K, I, num_m,
                     shared_id, stride_x, stride_we, stride_wn, stride_se, stride_h, TOP_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    PREC: tl.constexpr, FP8: tl.constexpr, SWAP: tl.constexpr):
+                    PREC: tl.constexpr, FP8: tl.constexpr, KIND: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, pair, valid = _block_rows(block_expert_ptr, sorted_ptr, pid_m, N, BLOCK_M)
     if e < 0:
@@ -340,23 +364,22 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, h_ptr, sorte
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_x + kk[None, :]
     w_base = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we)
-    g_ptrs = _weight_tile(w_base, cols, kk, stride_wn, SWAP)
+    g_ptrs = _weight_tile(w_base, cols, kk, stride_wn, KIND)
     u_ptrs = g_ptrs + I * stride_wn
     a_scale = _row_scales(a_ptrs, xs_ptr, tok, valid, K, FP8, BLOCK_M, BLOCK_K)  # fp8: per token
-    acc_g = _zeros_acc(BLOCK_M, BLOCK_N, SWAP)
-    acc_u = _zeros_acc(BLOCK_M, BLOCK_N, SWAP)
+    acc_g = _zeros_acc(BLOCK_M, BLOCK_N, BLOCK_K, KIND)
+    acc_u = _zeros_acc(BLOCK_M, BLOCK_N, BLOCK_K, KIND)
     for k0 in range(0, K, BLOCK_K):
         km = kk < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
-        g = _load_weight_tile(g_ptrs, km, cm, SWAP)
-        u = _load_weight_tile(u_ptrs, km, cm, SWAP)
-        acc_g = _dot(a, g, acc_g, a_scale, FP8, PREC, SWAP)
-        acc_u = _dot(a, u, acc_u, a_scale, FP8, PREC, SWAP)
+        g = _load_weight_tile(g_ptrs, km, cm, KIND)
+        u = _load_weight_tile(u_ptrs, km, cm, KIND)
+        acc_g = _dot(a, g, acc_g, a_scale, FP8, PREC, KIND)
+        acc_u = _dot(a, u, acc_u, a_scale, FP8, PREC, KIND)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if SWAP:
-        acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
+    acc_g, acc_u = _finish_acc(acc_g, KIND), _finish_acc(acc_u, KIND)
     if FP8 != 0:  # the row scales of this expert's gate and up rows
         s_base = _expert_weights(ws_ptr, sh_s_ptr, e, shared_id, stride_se)
         acc_g = acc_g * a_scale[:, None] * tl.load(s_base + cols, mask=cm, other=0.0)[None, :]
@@ -371,7 +394,7 @@ def _down_kernel(h_ptr, hs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, y_ptr, pw_ptr, 
                  num_m,
                  shared_id, stride_h, stride_we, stride_wn, stride_se, stride_y,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 PREC: tl.constexpr, FP8: tl.constexpr, SWAP: tl.constexpr):
+                 PREC: tl.constexpr, FP8: tl.constexpr, KIND: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, pair, valid = _block_rows(block_expert_ptr, sorted_ptr, pid_m, N, BLOCK_M)
     if e < 0:
@@ -382,18 +405,17 @@ def _down_kernel(h_ptr, hs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, y_ptr, pw_ptr, 
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None] * stride_h + kk[None, :]
     w_base = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we)
-    b_ptrs = _weight_tile(w_base, cols, kk, stride_wn, SWAP)
+    b_ptrs = _weight_tile(w_base, cols, kk, stride_wn, KIND)
     a_scale = _row_scales(a_ptrs, hs_ptr, rows, valid, K, FP8, BLOCK_M, BLOCK_K)  # fp8: per pair
-    acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP)
+    acc = _zeros_acc(BLOCK_M, BLOCK_N, BLOCK_K, KIND)
     for k0 in range(0, K, BLOCK_K):
         km = kk < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
-        b = _load_weight_tile(b_ptrs, km, cm, SWAP)
-        acc = _dot(a, b, acc, a_scale, FP8, PREC, SWAP)
+        b = _load_weight_tile(b_ptrs, km, cm, KIND)
+        acc = _dot(a, b, acc, a_scale, FP8, PREC, KIND)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if SWAP:
-        acc = tl.trans(acc)
+    acc = _finish_acc(acc, KIND)
     if FP8 != 0:
         s_base = _expert_weights(ws_ptr, sh_s_ptr, e, shared_id, stride_se)
         acc = acc * a_scale[:, None] * tl.load(s_base + cols, mask=cm, other=0.0)[None, :]
@@ -426,7 +448,7 @@ class TileConfig:
     group_m: int
     num_warps: int
     num_stages: int
-    swap: bool = False  # the weight tile as the MMA's A operand (no fp8 activations: see _weight_tile)
+    kind: int = 0  # MMA, SWAP or FMA (see MMA above; FMA takes block_m 1)
 
 
 # Chosen on an H200 with scripts/bench_moe.py at GLM-4.5-Air sizes (docs/speed.md has the
@@ -451,7 +473,7 @@ DOWN_CONFIGS = [
 # fp8 weights: decode tiles from scripts/bench_moe.py --fp8 (docs/fp8.md; fp8's dot wants
 # BLOCK_K >= 32), prefill the bf16 tiles.
 _FP8_DECODE_TILES = [
-    (1, TileConfig(16, 64, 128, 1, 8, 4)),
+    (1, TileConfig(1, 8, 512, 1, 4, 3, kind=FMA)),
     (8, TileConfig(16, 32, 128, 1, 4, 4)),
     (64, TileConfig(16, 128, 128, 1, 4, 3)),
 ]
@@ -530,8 +552,9 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         cu, cd = (replace(c, block_k=max(16, c.block_k // 2)) for c in (cu, cd))
 
     mode = NO_FP8 if not fp8 else fp8_mode(T) if mode is None else mode
-    if mode in (QUANT_IN_KERNEL, QUANTIZED_INPUT):  # swapped tiles take the rows unquantized
-        cu, cd = replace(cu, swap=False), replace(cd, swap=False)
+    if mode in (QUANT_IN_KERNEL, QUANTIZED_INPUT):  # swapped and FMA tiles take the rows unquantized
+        cu, cd = (c if c.kind == MMA else replace(c, kind=MMA, block_m=max(16, c.block_m)) for c in (cu, cd))
+    assert all(c.kind != FMA or c.block_m == 1 for c in (cu, cd)), "an FMA tile holds one pair"
     a, a_scale = per_token_quant(x) if mode == QUANTIZED_INPUT else (x, x)  # (x: an unused pointer)
 
     al = align(local, slots, cu.block_m)
@@ -541,7 +564,7 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         a, a_scale, w_gate_up, sh_gate_up, s_gate_up, sh_s_gate_up, h, al.sorted_pairs, al.block_expert, N, H, I, num_m,
         shared_id, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), h.stride(0),
         TOP_K=width, BLOCK_M=cu.block_m, BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, GROUP_M=cu.group_m, PREC=prec,
-        FP8=mode, SWAP=cu.swap, num_warps=cu.num_warps, num_stages=cu.num_stages)
+        FP8=mode, KIND=cu.kind, num_warps=cu.num_warps, num_stages=cu.num_stages)
 
     if cd.block_m != cu.block_m:
         al = align(local, slots, cd.block_m)
@@ -555,7 +578,7 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         h, h_scale, w_down, sh_down, s_down, sh_s_down, y, weights.reshape(-1), al.sorted_pairs, al.block_expert, N, I, H,
         num_m, shared_id, h.stride(0), w_down.stride(0), w_down.stride(1), s_down.stride(0), y.stride(0),
         BLOCK_M=cd.block_m, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k, GROUP_M=cd.group_m, PREC=prec,
-        FP8=mode, SWAP=cd.swap, num_warps=cd.num_warps, num_stages=cd.num_stages)
+        FP8=mode, KIND=cd.kind, num_warps=cd.num_warps, num_stages=cd.num_stages)
 
     block = min(1024, next_pow2(H))
     _combine_kernel[(T, triton.cdiv(H, block))](y, shared if shared is not None else y, out, H, TOP_K=width,
