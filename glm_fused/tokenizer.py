@@ -111,10 +111,6 @@ class Tokenizer:
             i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special
         }
         self.eos_token_ids: set[int] = self._collect_eos_ids()
-        eos = _token_text(self._config.get("eos_token"))
-        pad = _token_text(self._config.get("pad_token"))
-        self.eos_token = eos
-        self.pad_token_id: int | None = self.token_to_id(pad) if pad else None
 
     # ------------------------------------------------------------------ set-up
 

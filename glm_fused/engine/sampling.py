@@ -133,7 +133,6 @@ class SamplingParams:
 # arithmetic; the device version (TorchOps.sample) does the same on int64 tensors.
 GOLDEN = 0x9E3779B97F4A7C15
 MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-MASK64 = (1 << 64) - 1
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:

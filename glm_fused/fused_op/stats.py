@@ -77,21 +77,9 @@ class FallbackLog:
                       "fused all-reduce + RMSNorm falls back to the reference: %s", reason)
         return True
 
-    log = log_once
-
     @classmethod
     def reset(cls) -> None:
         """Forget what was logged (a fresh process's state; for tests run in one process)."""
         with cls._lock:
             cls._seen.clear()
 
-    @classmethod
-    def seen(cls) -> frozenset[str]:
-        with cls._lock:
-            return frozenset(cls._seen)
-
-    @classmethod
-    def forget(cls) -> None:
-        """Tests only: start over as if the process were new."""
-        with cls._lock:
-            cls._seen.clear()
