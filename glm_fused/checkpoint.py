@@ -479,18 +479,6 @@ def iter_rank_plan(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard,
         bar.close()
 
 
-def iter_rank_weights(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard,
-                      progress: bool = False) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield ``(parameter name, float32 array in this rank's shape)`` for every parameter: the plan
-    carried out in numpy, fp8 weights decoded (tools and tests; the model's loader copies into
-    its parameters)."""
-    for name, p in iter_rank_plan(ckpt, config, shard, progress):
-        value = np.empty(p.shape, dtype=np.float32)
-        for part in p.parts:
-            read_float32_into(value[part.dst], part)
-        yield name, value
-
-
 def _progress(total_bytes: int):
     try:
         from tqdm import tqdm

@@ -79,10 +79,6 @@ def world_size() -> int:
     return int(_first_env("GLM_FUSED_WORLD_SIZE", "PADDLE_TRAINERS_NUM", "WORLD_SIZE") or 1)
 
 
-def is_rank0() -> bool:
-    return current_rank() == 0
-
-
 def at_rank_end(hook: Callable[[], None]) -> None:
     """Run ``hook()`` once this rank's worker has returned, before the process exits.
 

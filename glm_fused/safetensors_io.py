@@ -5,7 +5,7 @@ truncation) so that a broken file is a one-line ``UserError`` before any tensor 
 the launcher can check a checkpoint without importing a framework.
 
 Reading tensors: the torch backend reads with safetensors' own ``safe_open(framework="pt")``
-(zero-copy views of the file). The Paddle backend and ``glm_fused.checkpoint.iter_rank_weights``
+(zero-copy views of the file). The Paddle backend and ``glm_fused.checkpoint.read_float32_into``
 read through ``view``/``read_into`` below, because safetensors offers them nothing better
 (measured with safetensors 0.8.0 and Paddle 3.3.1): ``safe_open(framework="np")`` cannot
 represent bfloat16 or fp8 (``TypeError: data type 'bfloat16' not understood``), and

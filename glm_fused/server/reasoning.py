@@ -46,12 +46,16 @@ def start_state(prompt: str) -> str:
     return EXPECT
 
 
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
+def partial_tag(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of one of ``tags`` (text
+    to hold back: the tag may complete in the next piece)."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(text), len(tag) - 1), best, -1):
+            if tag.startswith(text[-n:]):
+                best = n
+                break
+    return best
 
 
 @dataclass
@@ -97,7 +101,7 @@ class Glm45ReasoningParser:
                     out.reasoning += buf[:end]
                     self.state, buf = CONTENT, buf[end + len(THINK_END):]
                 else:
-                    keep = _partial_tag(buf, THINK_END)
+                    keep = partial_tag(buf, (THINK_END,))
                     out.reasoning += buf[:len(buf) - keep]
                     self._held, buf = buf[len(buf) - keep:], ""
             else:
