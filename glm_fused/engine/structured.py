@@ -285,7 +285,7 @@ class StructuredOutputs:
 class GrammarState:
     """One sequence's position in its grammar."""
 
-    def __init__(self, compiled, vocab_size: int, utf8: Utf8Table | None = None):
+    def __init__(self, compiled, vocab_size: int, utf8: Utf8Table):
         self._matcher = _xgr().GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self._utf8, self._utf8_state = utf8, 0
@@ -295,8 +295,7 @@ class GrammarState:
         sampler: the grammar's, that keep the text well-formed UTF-8."""
         row = np.full((1, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
         self._matcher.fill_next_token_bitmask(row, 0)
-        if self._utf8 is not None:
-            row[0] &= self._utf8.words[self._utf8_state]
+        row[0] &= self._utf8.words[self._utf8_state]
         return row[0]
 
     def allowed(self) -> np.ndarray:
@@ -307,7 +306,7 @@ class GrammarState:
         """Advance by the sampled token; False if the grammar does not allow it."""
         if not self._matcher.accept_token(int(token_id)):
             return False
-        if self._utf8 is not None and 0 <= token_id < self._utf8.next.shape[1]:
+        if 0 <= token_id < self._utf8.next.shape[1]:
             self._utf8_state = max(int(self._utf8.next[self._utf8_state, token_id]), 0)
         return True
 
