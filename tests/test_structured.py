@@ -14,8 +14,9 @@ import pytest
 from glm_fused import tiny
 from glm_fused.engine.sampling import InvalidParam, SamplingParams, bitmask_to_bool, row_key, sample
 from glm_fused.engine.structured import StructuredOutputs, request_format
-from glm_fused.server.chat import parse_answer, resolve_tool_choice
+from glm_fused.server.chat import resolve_tool_choice
 from glm_fused.tokenizer import Tokenizer
+from test_chat import parse_answer
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},

@@ -76,11 +76,6 @@ class Glm45ReasoningParser:
         self.reasoning = ""            # totals so far
         self.content = ""
 
-    @property
-    def in_reasoning(self) -> bool:
-        """Still inside (or possibly about to open) the think block."""
-        return self.state != CONTENT
-
     def feed(self, text: str) -> ReasoningDelta:
         out = ReasoningDelta()
         buf, self._held = self._held + text, ""
@@ -132,11 +127,3 @@ class Glm45ReasoningParser:
     def result(self) -> tuple[str | None, str | None]:
         """``(reasoning_content, content)`` so far, ``None`` where empty (as vLLM)."""
         return self.reasoning or None, self.content or None
-
-
-def parse_reasoning(text: str, prompt: str = "") -> tuple[str | None, str | None]:
-    """``(reasoning_content, content)`` of a whole answer to ``prompt``."""
-    parser = Glm45ReasoningParser(prompt)
-    parser.feed(text)
-    parser.finish()
-    return parser.result()

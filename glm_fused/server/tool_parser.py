@@ -363,13 +363,3 @@ class Glm45ToolParser:
     def _take(self) -> ToolDelta:
         out, self._out = self._out, None
         return out
-
-
-def parse_tool_calls(text: str, tools: list[dict] | None = None,
-                     make_id: Callable[[], str] = new_call_id) -> tuple[str | None, list[dict]]:
-    """``(content, tool_calls)`` of a whole answer, ``tool_calls`` in OpenAI's message shape."""
-    parser = Glm45ToolParser(tools, make_id)
-    parser.feed(text)
-    parser.finish()
-    content, calls = parser.result()
-    return content, [c.to_openai() for c in calls]
