@@ -224,11 +224,8 @@ class Tokenizer:
         import jinja2
 
         template = self._compiled_template()
-        variables = {
-            key: text
-            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
-            if (text := _token_text(self._config.get(key))) is not None
-        }
+        variables = {key: text for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+                     if (text := self.special_token(key)) is not None}
         variables.update(kwargs)
         try:
             return template.render(
