@@ -70,10 +70,11 @@ class TPCommBase:
     Besides the collectives it carries the fused op's state: the counters of the current
     forward, the FlashInfer kernel (made at start-up by ``fused_op.setup_fusion``, or None),
     the ``KernelEnv`` that decides per call, and the once-only fallback log. A framework
-    implements the collectives below and sets ``dist`` (its distributed module).
+    implements the collectives below and sets ``dist`` (its distributed module) and ``join``.
     """
 
     dist = None  # torch.distributed | paddle.distributed
+    join = None  # the framework's init_distributed
 
     def __init__(self, rank: int = 0, size: int = 1, group=None):
         if size > 1 and self.dist is not None and not self.dist.is_initialized():
@@ -83,6 +84,13 @@ class TPCommBase:
         self.fallback_log = FallbackLog()
         self.kernel = None      # glm_fused.fused_op.flashinfer.FlashInferAllReduceFusion or None
         self.kernel_env = None  # glm_fused.fused_op.KernelEnv or None (then always the reference)
+
+    @classmethod
+    def from_env(cls, tp_rank: int, tp_size: int) -> "TPCommBase":
+        """Join the group if needed (``tp_size > 1``), then this rank's handle."""
+        if tp_size > 1:
+            cls.join()
+        return cls(tp_rank, tp_size)
 
     def all_reduce(self, x):
         """Sum over the TP group (in place where the framework allows; use the result); counted

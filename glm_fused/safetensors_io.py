@@ -62,7 +62,7 @@ class SafetensorsFile:
             raise UserError(f"{self.path}: shard file not found") from None
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise UserError(f"{self.path}: corrupt safetensors header (not JSON)") from None
-        self.metadata = header.pop("__metadata__", None) or {}
+        header.pop("__metadata__", None)
         self._data_start = 8 + n
         self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         data_size = size - self._data_start
@@ -83,9 +83,6 @@ class SafetensorsFile:
 
     def keys(self) -> list[str]:
         return list(self._entries)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._entries
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entries[name][1]

@@ -82,19 +82,13 @@ class TPComm(TPCommBase):
     """``TPCommBase`` over paddle.distributed (the TP group is the world)."""
 
     dist = dist
+    join = staticmethod(init_distributed)
 
     def __init__(self, rank: int = 0, size: int = 1, group=None):
         super().__init__(rank, size, group)
         # Ranks sharing one GPU talk over gloo, which moves host tensors: activations take a
         # round trip through host memory (slow, but only the test set-up of a single GPU does it).
         self._via_host = size > 1 and shares_gpu()
-
-    @classmethod
-    def from_env(cls, tp_rank: int, tp_size: int) -> "TPComm":
-        """Join the group if needed (``tp_size > 1``), then this rank's handle."""
-        if tp_size > 1:
-            init_distributed()
-        return cls(tp_rank, tp_size)
 
     def all_reduce_uncounted(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.size == 1:

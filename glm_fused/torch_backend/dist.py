@@ -74,13 +74,7 @@ class TPComm(TPCommBase):
     """``TPCommBase`` over torch.distributed (the TP group is the world)."""
 
     dist = dist
-
-    @classmethod
-    def from_env(cls, tp_rank: int, tp_size: int) -> "TPComm":
-        """Join the group if needed (``tp_size > 1``), then this rank's handle."""
-        if tp_size > 1:
-            init_distributed()
-        return cls(tp_rank, tp_size)
+    join = staticmethod(init_distributed)
 
     def all_reduce_uncounted(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
