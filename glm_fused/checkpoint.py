@@ -335,6 +335,11 @@ def expected_shapes(config: Glm4MoeConfig, shard: TPShard) -> dict[str, tuple[tu
     return {name: (p.shape, p.kind) for name, p in params.items()}
 
 
+def _and_more(names: list[str]) -> str:
+    """What an error naming ``names[0]`` adds for the rest."""
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+
+
 def _is_mtp(name: str, config: Glm4MoeConfig) -> bool:
     m = _LAYER_RE.match(name)
     return bool(m) and int(m.group(1)) >= config.num_hidden_layers
@@ -351,8 +356,8 @@ def validate(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard) -> dict[st
 
     def missing(names: list[str], why=lambda name: "") -> None:
         if names:
-            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-            raise UserError(f"{ckpt.dir}: tensor {names[0]!r} is missing from the checkpoint{why(names[0])}{more}")
+            raise UserError(f"{ckpt.dir}: tensor {names[0]!r} is missing from the checkpoint{why(names[0])}"
+                            f"{_and_more(names)}")
 
     missing([n for n in full if n not in ckpt.location and n not in scales])
     for name in full:  # fp8 exactly where the quantization_config says, before any scale is looked for
@@ -379,8 +384,7 @@ def validate(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard) -> dict[st
                             f"{', '.join(q8.SCALE_DTYPES)}")
     unexpected = sorted(n for n in ckpt.names if n not in full and not _is_mtp(n, config))
     if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise UserError(f"{ckpt.file_of(unexpected[0])}: unexpected tensor {unexpected[0]!r}{more} "
+        raise UserError(f"{ckpt.file_of(unexpected[0])}: unexpected tensor {unexpected[0]!r}{_and_more(unexpected)} "
                         f"(not part of a {config.num_hidden_layers}-layer glm4_moe model)")
     for p in params.values():
         p.parts = [_attached(ckpt, part) for part in p.parts]
@@ -479,18 +483,6 @@ def iter_rank_plan(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard,
         bar.close()
 
 
-def iter_rank_weights(ckpt: Checkpoint, config: Glm4MoeConfig, shard: TPShard,
-                      progress: bool = False) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield ``(parameter name, float32 array in this rank's shape)`` for every parameter: the plan
-    carried out in numpy, fp8 weights decoded (tools and tests; the model's loader copies into
-    its parameters)."""
-    for name, p in iter_rank_plan(ckpt, config, shard, progress):
-        value = np.empty(p.shape, dtype=np.float32)
-        for part in p.parts:
-            read_float32_into(value[part.dst], part)
-        yield name, value
-
-
 def _progress(total_bytes: int):
     try:
         from tqdm import tqdm
@@ -528,6 +520,5 @@ def load_rank_weights(model_dir: str | Path, config: Glm4MoeConfig, shard: TPSha
             loaded.add(scale_parameter(name))
     missing = sorted(set(shapes) - loaded)
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise UserError(f"{model_dir}: no weights loaded for parameter {missing[0]!r}{more}")
+        raise UserError(f"{model_dir}: no weights loaded for parameter {missing[0]!r}{_and_more(missing)}")
     return nbytes

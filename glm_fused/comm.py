@@ -38,21 +38,59 @@ def shares_gpu() -> bool:
     return device_kind() == "gpu" and dist_backend() == "gloo"
 
 
+def leave_group(dist) -> None:
+    """Leave the process group of ``dist`` (``torch.distributed`` or ``paddle.distributed``, which
+    name these calls alike) in a known order: all ranks meet in a barrier (none is still inside
+    a collective with a peer), then the group is destroyed, which joins gloo's and NCCL's
+    threads while the interpreter is whole.
+
+    Left to interpreter exit, a gloo worker thread can drop its last finished work item
+    during finalization; freeing the item's tensors takes the GIL, which a finalizing
+    interpreter answers with pthread_exit inside a noexcept destructor: std::terminate,
+    SIGABRT ("terminate called without an active exception").
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_world_size() > 1:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def barrier_all(dist) -> None:
+    """A barrier of the global group of ``dist``; nothing outside a multi-rank group."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 class TPCommBase:
     """This rank's handle on the TP group, shared by every layer of one model.
 
     Besides the collectives it carries the fused op's state: the counters of the current
     forward, the FlashInfer kernel (made at start-up by ``fused_op.setup_fusion``, or None),
     the ``KernelEnv`` that decides per call, and the once-only fallback log. A framework
-    implements the collectives below.
+    implements the collectives below and sets ``dist`` (its distributed module) and ``join``.
     """
 
+    dist = None  # torch.distributed | paddle.distributed
+    join = None  # the framework's init_distributed
+
     def __init__(self, rank: int = 0, size: int = 1, group=None):
+        if size > 1 and self.dist is not None and not self.dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__}(size={size}) needs {self.dist.__name__} initialised first")
         self.rank, self.size, self.group = rank, size, group
         self.stats = FusionStats()
         self.fallback_log = FallbackLog()
         self.kernel = None      # glm_fused.fused_op.flashinfer.FlashInferAllReduceFusion or None
         self.kernel_env = None  # glm_fused.fused_op.KernelEnv or None (then always the reference)
+
+    @classmethod
+    def from_env(cls, tp_rank: int, tp_size: int) -> "TPCommBase":
+        """Join the group if needed (``tp_size > 1``), then this rank's handle."""
+        if tp_size > 1:
+            cls.join()
+        return cls(tp_rank, tp_size)
 
     def all_reduce(self, x):
         """Sum over the TP group (in place where the framework allows; use the result); counted
@@ -80,10 +118,12 @@ class TPCommBase:
         raise NotImplementedError
 
     def broadcast_object(self, obj, src: int):
-        raise NotImplementedError
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
 
     def barrier(self) -> None:
-        raise NotImplementedError
+        self.dist.barrier(group=self.group)
 
     def all_agree(self, ok: bool) -> bool:
         """True on every rank when ``ok`` is true on every rank (a vote)."""

@@ -93,11 +93,7 @@ class Glm4MoeConfig:
         if values.get("hidden_act", "silu") != "silu":
             raise UserError(f"{source}: hidden_act {values['hidden_act']!r} is not supported (expected 'silu')")
         known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in values.items() if k in known}
-        try:
-            config = cls(**kwargs)
-        except TypeError as exc:  # pragma: no cover - dataclass keyword errors
-            raise UserError(f"{source}: {exc}") from None
+        config = cls(**{k: v for k, v in values.items() if k in known})
         config._check(source)
         return config
 

@@ -263,11 +263,11 @@ class EngineArgs:
                             f"the CPU")
         return self.backend, "gpu", ""
 
-    def slot_blocks(self, num_slots: int | None = None) -> int:
-        """Blocks for ``num_slots`` (default ``max_num_seqs``) sequences of ``max_model_len``: what a
-        tool that drives the runner with one fixed slot per sequence passes as
-        ``num_gpu_blocks_override`` (``glm_fused.batch.slot_block_tables``)."""
-        return (num_slots or self.max_num_seqs) * -(-self.max_model_len // self.block_size)
+    def slot_blocks(self) -> int:
+        """Blocks for ``max_num_seqs`` sequences of ``max_model_len``: what a tool that drives the
+        runner with one fixed slot per sequence passes as ``num_gpu_blocks_override``
+        (``glm_fused.batch.slot_block_tables``)."""
+        return self.max_num_seqs * -(-self.max_model_len // self.block_size)
 
     def config(self):
         """The model's config (after ``resolve``)."""

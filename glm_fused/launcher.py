@@ -79,10 +79,6 @@ def world_size() -> int:
     return int(_first_env("GLM_FUSED_WORLD_SIZE", "PADDLE_TRAINERS_NUM", "WORLD_SIZE") or 1)
 
 
-def is_rank0() -> bool:
-    return current_rank() == 0
-
-
 def at_rank_end(hook: Callable[[], None]) -> None:
     """Run ``hook()`` once this rank's worker has returned, before the process exits.
 
@@ -131,9 +127,7 @@ def exit_rank_now(message: str, code: int = 1) -> None:
         _write_error(error_file, {"kind": "internal", "summary": message, "traceback": ""})
     else:
         _print_error(message)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
+    _flush_output()
     os._exit(code)
 
 
@@ -223,9 +217,14 @@ def _environ(**values: str) -> Iterator[None]:
 
 
 def _print_error(message: str) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        sys.stdout.flush()
+    _flush_output()
     print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def _flush_output() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed or gone: nothing to keep
+            stream.flush()
 
 
 # ---- workers ---------------------------------------------------------------------------
@@ -432,9 +431,7 @@ class _Ranks:
             [*_import_roots(self.spec), *filter(None, [os.environ.get("PYTHONPATH")])])
         command = [sys.executable, "-m", "glm_fused.launcher", "--worker", self.spec,
                    "--args-file", str(args_file), "--parent-pid", str(os.getpid())]
-        for stream in (sys.stdout, sys.stderr):  # rank 0 writes to the same descriptors
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
+        _flush_output()  # rank 0 writes to the same descriptors
         # Ranks start with SIGINT and SIGTERM blocked (the mask survives exec) and unblock
         # them only around the worker, so a stop request never meets Python's start-up or
         # shutdown, where it would print a KeyboardInterrupt traceback. Here, blocking only
@@ -745,9 +742,7 @@ def _rank_main(argv: list[str] | None = None) -> None:
     if code:
         # Leave at once: a failed rank that hung in interpreter shutdown (a non-daemon
         # thread, an atexit hook) would keep the launcher from seeing the failure.
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
+        _flush_output()
         os._exit(code)
     sys.exit(0)
 

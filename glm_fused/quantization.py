@@ -41,7 +41,6 @@ FP8_MAX = 448.0              # largest finite e4m3 value
 AMAX_EPS = 1e-12
 SAFETENSORS_FP8 = "F8_E4M3"
 SCALE_DTYPES = ("F32", "BF16", "F16")
-SOURCES = ("compressed-tensors", "fp8", "online")
 _DECODER_LINEAR = re.compile(
     r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up|down)_proj"
     r"|mlp\.experts\.(gate_up|down)_proj)$")

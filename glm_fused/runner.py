@@ -21,7 +21,7 @@ from glm_fused.backends import get_backend
 from glm_fused.batch import ForwardBatch, slot_block_tables
 from glm_fused.comm import device_index, shares_gpu
 from glm_fused.config import Glm4MoeConfig
-from glm_fused.engine.sampling import SamplingBatch, logprobs_on_host
+from glm_fused.engine.sampling import SamplingBatch
 from glm_fused.engine_args import EngineArgs
 from glm_fused.fused_op import setup_fusion
 from glm_fused.model.loader import dummy_weights, load_weights
@@ -335,31 +335,3 @@ class ModelRunner:
         self.kv_caches = []
         self.F.empty_cache(self.device)
 
-
-class LogitsRunner:
-    """``execute`` for a runner that only has ``forward(batch) -> logits`` (a host array): the
-    placeholders resolved from its own record of what it sampled, and the host sampler. For
-    stand-ins of the model (tests, tools) that speak the engine's protocol."""
-
-    def execute(self, batch: ForwardBatch, sampling: SamplingBatch | None = None, *, sample: bool = True):
-        sampling = sampling if sampling is not None else SamplingBatch()
-        last = self.__dict__.setdefault("_last_sampled", {})
-        if (batch.input_ids < 0).any():
-            rows = np.repeat(batch.rows, batch.query_lens)
-            ids = np.array([last[int(r)] if t < 0 else t for t, r in zip(batch.input_ids, rows)])
-            batch = dataclasses.replace(batch, input_ids=ids)
-        P = len(sampling.prompt_rows)
-        if not sample and not P:
-            self.forward(batch)
-            return StepResult(lambda: None)
-        rows = np.concatenate([sampling.prompt_rows, batch.logits_indices if sample else sampling.prompt_rows[:0]])
-        logits = self.forward(dataclasses.replace(batch, logits_indices=rows))
-        out = StepOutput(None)
-        if sample:
-            out.tokens = sampling.sample_on_host(logits[P:])
-            last.update(zip(batch.rows[batch.logits_seq].tolist(), out.tokens.tolist()))
-            if sampling.logprobs >= 0:
-                out.logprobs = logprobs_on_host(logits[P:], out.tokens, sampling.logprobs)
-        if P:
-            out.prompt_logprobs = logprobs_on_host(logits[:P], sampling.prompt_targets, sampling.prompt_logprobs)
-        return StepResult(lambda: out)

@@ -5,7 +5,7 @@ truncation) so that a broken file is a one-line ``UserError`` before any tensor 
 the launcher can check a checkpoint without importing a framework.
 
 Reading tensors: the torch backend reads with safetensors' own ``safe_open(framework="pt")``
-(zero-copy views of the file). The Paddle backend and ``glm_fused.checkpoint.iter_rank_weights``
+(zero-copy views of the file). The Paddle backend and ``glm_fused.checkpoint.read_float32_into``
 read through ``view``/``read_into`` below, because safetensors offers them nothing better
 (measured with safetensors 0.8.0 and Paddle 3.3.1): ``safe_open(framework="np")`` cannot
 represent bfloat16 or fp8 (``TypeError: data type 'bfloat16' not understood``), and
@@ -62,7 +62,7 @@ class SafetensorsFile:
             raise UserError(f"{self.path}: shard file not found") from None
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise UserError(f"{self.path}: corrupt safetensors header (not JSON)") from None
-        self.metadata = header.pop("__metadata__", None) or {}
+        header.pop("__metadata__", None)
         self._data_start = 8 + n
         self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         data_size = size - self._data_start
@@ -83,9 +83,6 @@ class SafetensorsFile:
 
     def keys(self) -> list[str]:
         return list(self._entries)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._entries
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entries[name][1]

@@ -111,10 +111,6 @@ class Tokenizer:
             i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special
         }
         self.eos_token_ids: set[int] = self._collect_eos_ids()
-        eos = _token_text(self._config.get("eos_token"))
-        pad = _token_text(self._config.get("pad_token"))
-        self.eos_token = eos
-        self.pad_token_id: int | None = self.token_to_id(pad) if pad else None
 
     # ------------------------------------------------------------------ set-up
 
@@ -228,11 +224,8 @@ class Tokenizer:
         import jinja2
 
         template = self._compiled_template()
-        variables = {
-            key: text
-            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
-            if (text := _token_text(self._config.get(key))) is not None
-        }
+        variables = {key: text for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+                     if (text := self.special_token(key)) is not None}
         variables.update(kwargs)
         try:
             return template.render(

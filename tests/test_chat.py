@@ -11,10 +11,20 @@ import pytest
 
 from glm_fused import tiny
 from glm_fused.engine.sampling import InvalidParam
-from glm_fused.server.chat import (ChatOutputParser, check_tools, parse_answer, prepare_messages, render_prompt,
+from glm_fused.server.chat import (ChatOutputParser, check_tools, prepare_messages, render_prompt,
                                    resolve_tool_choice)
-from glm_fused.server.tool_parser import parse_tool_calls
+from glm_fused.server.tool_parser import new_call_id
 from glm_fused.tokenizer import Tokenizer
+from test_tool_parser import parse_tool_calls
+
+
+def parse_answer(text: str, prompt: str = "", *, reasoning: bool = False, tools: list[dict] | None = None,
+                 make_id=new_call_id) -> dict:
+    """The assistant message of a whole answer fed in one piece (``ChatOutputParser``)."""
+    parser = ChatOutputParser(prompt, reasoning=reasoning, tools=tools, make_id=make_id)
+    parser.feed(text)
+    parser.finish()
+    return parser.message()
 
 TOOLS = [
     {"type": "function", "function": {

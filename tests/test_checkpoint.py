@@ -10,11 +10,20 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from glm_fused.checkpoint import Checkpoint, expected_shapes, iter_rank_weights  # noqa: E402
+from glm_fused.checkpoint import Checkpoint, expected_shapes, iter_rank_plan, read_float32_into  # noqa: E402
 from glm_fused.config import Glm4MoeConfig  # noqa: E402
 from glm_fused.errors import UserError  # noqa: E402
 from glm_fused.safetensors_io import SafetensorsFile  # noqa: E402
 from glm_fused.sharding import TPShard  # noqa: E402
+
+
+def iter_rank_weights(ckpt, cfg, shard):
+    """The load plan carried out in numpy: ``(parameter name, float32 array in this rank's shape)``."""
+    for name, p in iter_rank_plan(ckpt, cfg, shard):
+        value = np.empty(p.shape, dtype=np.float32)
+        for part in p.parts:
+            read_float32_into(value[part.dst], part)
+        yield name, value
 
 
 def _hf_model():

@@ -9,6 +9,7 @@ changes the generated tokens and fails a test.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import queue
@@ -20,19 +21,46 @@ import pytest
 from glm_fused.batch import ForwardBatch
 from glm_fused.engine import InvalidParam, LLMEngine, SamplingParams, Scheduler, Sequence, run_worker, sample
 from glm_fused.engine.llm_engine import CMD_NOOP, CMD_PING
-from glm_fused.engine.sampling import SampleRow, SamplingBatch, row_key
+from glm_fused.engine.sampling import SampleRow, SamplingBatch, logprobs_on_host, row_key
 from glm_fused.engine_args import EngineArgs
-from glm_fused.runner import LogitsRunner
+from glm_fused.runner import StepOutput, StepResult
 
 VOCAB = 64
 BLOCK = 4  # small blocks: short test prompts still span several
 
 
-class FakeRunner(LogitsRunner):
+class FakeRunner:
+    """A stand-in for ``ModelRunner``: ``forward`` gives logits as a host array, and ``execute``
+    resolves the placeholders from its own record of what it sampled and samples on the host."""
+
     def __init__(self, num_blocks: int, block_size: int = BLOCK, vocab: int = VOCAB):
         self.cache = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self.block_size, self.vocab = block_size, vocab
         self.batches: list[ForwardBatch] = []
+        self._last_sampled: dict[int, int] = {}
+
+    def execute(self, batch: ForwardBatch, sampling: SamplingBatch | None = None, *, sample: bool = True):
+        sampling = sampling if sampling is not None else SamplingBatch()
+        last = self._last_sampled
+        if (batch.input_ids < 0).any():
+            rows = np.repeat(batch.rows, batch.query_lens)
+            ids = np.array([last[int(r)] if t < 0 else t for t, r in zip(batch.input_ids, rows)])
+            batch = dataclasses.replace(batch, input_ids=ids)
+        P = len(sampling.prompt_rows)
+        if not sample and not P:
+            self.forward(batch)
+            return StepResult(lambda: None)
+        rows = np.concatenate([sampling.prompt_rows, batch.logits_indices if sample else sampling.prompt_rows[:0]])
+        logits = self.forward(dataclasses.replace(batch, logits_indices=rows))
+        out = StepOutput(None)
+        if sample:
+            out.tokens = sampling.sample_on_host(logits[P:])
+            last.update(zip(batch.rows[batch.logits_seq].tolist(), out.tokens.tolist()))
+            if sampling.logprobs >= 0:
+                out.logprobs = logprobs_on_host(logits[P:], out.tokens, sampling.logprobs)
+        if P:
+            out.prompt_logprobs = logprobs_on_host(logits[:P], sampling.prompt_targets, sampling.prompt_logprobs)
+        return StepResult(lambda: out)
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         self.batches.append(batch)

@@ -160,9 +160,9 @@ def test_stats_dict_shape_and_reset():
 
 @pytest.fixture
 def fresh_log():
-    FallbackLog.forget()
+    FallbackLog.reset()
     yield
-    FallbackLog.forget()
+    FallbackLog.reset()
 
 
 def test_fallback_log_once_per_reason_per_process(fresh_log, caplog):
@@ -171,10 +171,9 @@ def test_fallback_log_once_per_reason_per_process(fresh_log, caplog):
     assert a.log_once("no workspace") is True
     assert a.log_once("no workspace") is False
     assert b.log_once("no workspace") is False  # another instance, same process: still once
-    assert b.log("num_tokens == 0") is True
+    assert b.log_once("num_tokens == 0") is True
     msgs = [r.getMessage() for r in caplog.records if r.name == "glm_fused.fusion"]
     assert len(msgs) == 2 and "no workspace" in msgs[0] and "num_tokens == 0" in msgs[1]
-    assert FallbackLog.seen() == {"no workspace", "num_tokens == 0"}
 
 
 def test_fallback_log_level(fresh_log, caplog):

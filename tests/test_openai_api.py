@@ -17,9 +17,9 @@ import httpx
 import jsonschema
 import pytest
 
-from glm_fused.server.chat import parse_answer
 from glm_fused.tiny import ensure_tiny_checkpoint
 from glm_fused.tokenizer import Tokenizer
+from test_chat import parse_answer
 
 MODEL = "glm-4.5-air-tiny"
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}

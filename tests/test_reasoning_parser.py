@@ -8,9 +8,17 @@ import random
 import pytest
 
 from glm_fused import tiny
-from glm_fused.server.reasoning import (CONTENT, EXPECT, REASONING, Glm45ReasoningParser, parse_reasoning,
-                                        start_state)
+from glm_fused.server.reasoning import CONTENT, EXPECT, REASONING, Glm45ReasoningParser, start_state
 from glm_fused.tokenizer import Tokenizer
+
+
+def parse_reasoning(text: str, prompt: str = "") -> tuple[str | None, str | None]:
+    """``(reasoning_content, content)`` of a whole answer to ``prompt``: fed in one piece."""
+    parser = Glm45ReasoningParser(prompt)
+    parser.feed(text)
+    parser.finish()
+    return parser.result()
+
 
 # Generation prompts as GLM-4.5's template ends them.
 THINKING_ON = "[gMASK]<sop><|user|>\nWhat is 2+2?<|assistant|>"
@@ -93,7 +101,7 @@ def test_deltas_never_show_part_of_a_tag():
         shown.append(delta.reasoning + delta.content)
     assert "".join(shown) == "abcxyz"
     assert all("<" not in s and ">" not in s for s in shown)
-    assert parser.in_reasoning is False
+    assert parser.state == CONTENT
 
 
 def test_start_state_reads_the_last_assistant_turn():

@@ -515,7 +515,8 @@ def fake_server(request):
 
     from glm_fused.engine import LLMEngine
     from glm_fused.engine_args import EngineArgs
-    from glm_fused.server import EngineBridge, HttpServer, ServerMetrics, create_app, run_engine_loop
+    from glm_fused.server.app import EngineBridge, HttpServer, create_app, run_engine_loop
+    from glm_fused.server.metrics import ServerMetrics
 
     from glm_fused.server.preprocess_pool import PreprocessPool
 

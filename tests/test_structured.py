@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from glm_fused import tiny
-from glm_fused.engine.sampling import InvalidParam, SamplingParams, row_key, sample
-from glm_fused.engine.structured import (StructuredOutputs, apply_bitmask_numpy, apply_bitmask_torch,
-                                         bitmask_to_bool, request_format)
-from glm_fused.server.chat import parse_answer, resolve_tool_choice
+from glm_fused.engine.sampling import InvalidParam, SamplingParams, bitmask_to_bool, row_key, sample
+from glm_fused.engine.structured import StructuredOutputs, request_format
+from glm_fused.server.chat import resolve_tool_choice
 from glm_fused.tokenizer import Tokenizer
+from test_chat import parse_answer
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},
@@ -72,11 +72,10 @@ def decode_random(so, compiled, seed: int, params: SamplingParams, forced: list[
     ids = list(forced)
     for t in forced:
         assert state.accept(t)
-    row = so.allocate_bitmask(1)
     for step in range(MAX_TOKENS):
         logits = rng.standard_normal(so.vocab_size).astype(np.float32)
-        state.fill(row)
-        token = sample(apply_bitmask_numpy(logits, row[0]), params, row_key(seed, step))
+        logits[~bitmask_to_bool(state.next_bitmask(), so.vocab_size)] = -np.inf  # as the sampler masks
+        token = sample(logits, params, row_key(seed, step))
         assert state.accept(token)
         if token in so.stop_token_ids:
             assert state.terminated
@@ -174,27 +173,12 @@ def test_special_tokens_are_never_allowed_and_stop_only_at_the_end(so, tok):
     assert set(np.flatnonzero(state.allowed())) == set(so.stop_token_ids)
 
 
-def test_numpy_and_torch_masks_agree(so):
-    import torch
-
+def test_bitmask_words_read_as_xgrammar_writes_them(so):
     rng = np.random.default_rng(3)
     bitmask = rng.integers(-2**31, 2**31, size=(3, (so.vocab_size + 31) // 32), dtype=np.int64).astype(np.int32)
-    logits = rng.standard_normal((3, so.vocab_size)).astype(np.float32)
-    expected = logits.copy()
     for r in range(3):
         bits = [(int(bitmask[r, t // 32]) >> (t % 32)) & 1 for t in range(so.vocab_size)]
-        expected[r, np.array(bits) == 0] = -np.inf
         assert (bitmask_to_bool(bitmask[r], so.vocab_size) == np.array(bits, dtype=bool)).all()
-    for r in range(3):
-        got = apply_bitmask_numpy(logits[r].copy(), bitmask[r])
-        np.testing.assert_array_equal(got, expected[r])
-    t = torch.from_numpy(logits.copy())
-    apply_bitmask_torch(t, bitmask)
-    np.testing.assert_array_equal(t.numpy(), expected)
-    t = torch.from_numpy(logits.copy())
-    apply_bitmask_torch(t, torch.from_numpy(bitmask), rows=[1])  # the other rows untouched
-    np.testing.assert_array_equal(t.numpy()[[0, 2]], logits[[0, 2]])
-    np.testing.assert_array_equal(t.numpy()[1], expected[1])
 
 
 def test_requests_that_cannot_be_enforced_name_the_field(so):
@@ -237,14 +221,12 @@ def test_the_tiny_models_own_logits(tiny_dir, tok, so):
         state = so.state(so.compile(tag))
         ids, past = tok.encode(prompt), None
         step_ids, out = torch.tensor([ids]), []
-        row = so.allocate_bitmask(1)
         with torch.no_grad():
             for _ in range(MAX_TOKENS):
                 result = model(input_ids=step_ids, past_key_values=past, use_cache=True)
                 past = result.past_key_values
                 logits = result.logits[:, -1, :].float()
-                state.fill(row)
-                apply_bitmask_torch(logits, row)
+                logits[0, ~torch.from_numpy(bitmask_to_bool(state.next_bitmask(), so.vocab_size))] = -torch.inf
                 token = int(torch.argmax(logits[0]))
                 assert state.accept(token)
                 if token in so.stop_token_ids:

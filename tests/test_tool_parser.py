@@ -11,7 +11,17 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from glm_fused.server.tool_parser import Glm45ToolParser, parse_tool_calls, typed_value
+from glm_fused.server.tool_parser import Glm45ToolParser, typed_value
+
+
+def parse_tool_calls(text: str, tools: list[dict] | None, make_id) -> tuple[str | None, list[dict]]:
+    """``(content, tool_calls)`` of a whole answer fed in one piece, ``tool_calls`` in OpenAI's
+    message shape."""
+    parser = Glm45ToolParser(tools, make_id)
+    parser.feed(text)
+    parser.finish()
+    content, calls = parser.result()
+    return content, [c.to_openai() for c in calls]
 
 TOOLS = [
     {"type": "function", "function": {

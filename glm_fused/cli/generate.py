@@ -81,12 +81,10 @@ def main(argv=None) -> int:
 
 
 def encode_prompts(args, tokenizer) -> list[list[int]]:
-    """Token ids exactly as the server makes them for the same request."""
+    """Token ids exactly as the server makes them for the same request (a text prompt has a
+    tokenizer: ``check_generate_flags`` refused it otherwise)."""
     prompts = []
     for text in args.prompt or []:
-        if tokenizer is None:
-            raise UserError(f"--model {args.model}: no tokenizer.json, so text prompts cannot be encoded "
-                            "(use --prompt-ids)")
         if args.chat:
             rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                      add_generation_prompt=True,

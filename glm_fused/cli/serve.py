@@ -181,8 +181,8 @@ def _join(args: argparse.Namespace) -> Rank:
 def _serve(args: argparse.Namespace) -> int:
     from glm_fused.config import Glm4MoeConfig
     from glm_fused.engine import LLMEngine
-    from glm_fused.server import EngineBridge, HttpServer, ServerMetrics, create_app, run_engine_loop
-    from glm_fused.server.app import Grammars
+    from glm_fused.server.app import EngineBridge, Grammars, HttpServer, create_app, run_engine_loop
+    from glm_fused.server.metrics import ServerMetrics
     from glm_fused.server.preprocess_pool import PreprocessPool
     from glm_fused.server.watchdog import EngineWatchdog, exchange_pids
 

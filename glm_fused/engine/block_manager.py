@@ -55,8 +55,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need at least one block of at least one token ({num_blocks} x {block_size})")
+        """Sizes as ``EngineArgs.resolve`` and ``kv_cache.settle`` checked them (at least one block)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]

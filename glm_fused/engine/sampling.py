@@ -28,6 +28,7 @@ distribution, ``log_softmax`` of the logits before any rule above (vLLM's defaul
 from __future__ import annotations
 
 import secrets
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
@@ -133,7 +134,6 @@ class SamplingParams:
 # arithmetic; the device version (TorchOps.sample) does the same on int64 tensors.
 GOLDEN = 0x9E3779B97F4A7C15
 MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-MASK64 = (1 << 64) - 1
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
@@ -329,9 +329,7 @@ class SamplingBatch:
             if r.num_output < p.min_tokens:
                 ban += [(i, t) for t in sorted(set(r.stop_ids))]
             if p.penalized:
-                counts: dict[int, int] = {}
-                for t in r.output_ids:
-                    counts[int(t)] = counts.get(int(t), 0) + 1
+                counts = Counter(map(int, r.output_ids))
                 if p.repetition_penalty != 1.0:
                     for t in r.prompt_ids:
                         counts.setdefault(int(t), 0)

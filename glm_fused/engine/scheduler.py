@@ -59,7 +59,6 @@ class Scheduler:
         the KV cache's ``block_size``, ``num_kv_blocks`` and ``enable_prefix_caching``). Without
         ``num_kv_blocks`` (no runner sized a cache), room for ``max_num_seqs`` full-length sequences."""
         self.max_num_seqs = args.max_num_seqs
-        self.max_model_len = args.max_model_len
         self.max_num_batched_tokens = args.max_num_batched_tokens
         num_blocks = args.num_kv_blocks or args.slot_blocks()
         self.blocks = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
@@ -70,8 +69,6 @@ class Scheduler:
 
     # ---- queue ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        if seq.prompt_len > self.max_model_len:
-            raise ValueError(f"prompt of {seq.prompt_len} tokens exceeds max_model_len={self.max_model_len}")
         seq.status = Status.WAITING
         self.waiting.append(seq)
 

@@ -13,10 +13,9 @@ What a request asks for becomes one xgrammar structural tag (``request_format``)
   cannot stop inside it).
 
 ``StructuredOutputs`` (one per server: the tokenizer's vocabulary and a compiler with a
-cache) compiles a tag; each constrained sequence gets a ``GrammarState``, which fills its
-row of the token bitmask before sampling and accepts the sampled token after. The sampler
-applies the bitmask to the logits: ``apply_bitmask_torch`` (xgrammar's kernel, on the
-logits' device) or ``apply_bitmask_numpy`` (the numpy sampler).
+cache) compiles a tag; each constrained sequence gets a ``GrammarState``, which gives its
+row of the token bitmask before sampling (``next_bitmask``) and accepts the sampled token
+after. The sampler (``glm_fused.engine.sampling``) applies the row to the logits.
 
 xgrammar is an optional dependency (``pip install -e '.[structured]'``; it needs torch):
 without it ``StructuredOutputs`` raises ``UserError`` naming the extra.
@@ -28,7 +27,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from glm_fused.engine.sampling import InvalidParam, bitmask_to_bool  # noqa: F401 - bitmask_to_bool is part of this API
+from glm_fused.engine.sampling import InvalidParam, bitmask_to_bool
 from glm_fused.errors import UserError
 
 # Longest run of whitespace allowed inside JSON: room for pretty-printed nesting, but a weak
@@ -282,49 +281,32 @@ class StructuredOutputs:
     def state(self, compiled) -> "GrammarState":
         return GrammarState(compiled, self.vocab_size, self.utf8)
 
-    def allocate_bitmask(self, batch_size: int) -> np.ndarray:
-        """Rows for ``GrammarState.fill`` (int32, 32 tokens per word, bit set = allowed)."""
-        return np.full((batch_size, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
-
 
 class GrammarState:
     """One sequence's position in its grammar."""
 
-    def __init__(self, compiled, vocab_size: int, utf8: Utf8Table | None = None):
+    def __init__(self, compiled, vocab_size: int, utf8: Utf8Table):
         self._matcher = _xgr().GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self._utf8, self._utf8_state = utf8, 0
 
-    def fill(self, bitmask, row: int = 0) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (numpy or a CPU torch tensor):
-        the grammar's, that keep the text well-formed UTF-8."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
-        if self._utf8 is not None:
-            words = self._utf8.words[self._utf8_state]
-            if isinstance(bitmask, np.ndarray):
-                bitmask[row] &= words
-            else:
-                import torch
-
-                bitmask[row] &= torch.from_numpy(words)
-
     def next_bitmask(self) -> np.ndarray:
-        """The allowed next tokens as one bitmask row (int32 words), for the sampler."""
+        """The allowed next tokens as one bitmask row (int32 words, bit set = allowed), for the
+        sampler: the grammar's, that keep the text well-formed UTF-8."""
         row = np.full((1, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
-        self.fill(row)
+        self._matcher.fill_next_token_bitmask(row, 0)
+        row[0] &= self._utf8.words[self._utf8_state]
         return row[0]
 
     def allowed(self) -> np.ndarray:
-        """The allowed next tokens as a bool vector (for tests and the numpy sampler)."""
-        row = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
-        self.fill(row)
-        return bitmask_to_bool(row[0], self.vocab_size)
+        """The allowed next tokens as a bool vector (tests)."""
+        return bitmask_to_bool(self.next_bitmask(), self.vocab_size)
 
     def accept(self, token_id: int) -> bool:
         """Advance by the sampled token; False if the grammar does not allow it."""
         if not self._matcher.accept_token(int(token_id)):
             return False
-        if self._utf8 is not None and 0 <= token_id < self._utf8.next.shape[1]:
+        if 0 <= token_id < self._utf8.next.shape[1]:
             self._utf8_state = max(int(self._utf8.next[self._utf8_state, token_id]), 0)
         return True
 
@@ -337,26 +319,4 @@ class GrammarState:
     def terminated(self) -> bool:
         """A stop token was accepted: nothing more may follow."""
         return bool(self._matcher.is_terminated())
-
-
-# ---- applying the mask ----------------------------------------------------------------------
-def apply_bitmask_numpy(logits: np.ndarray, row: np.ndarray) -> np.ndarray:
-    """Disallowed tokens' logits to -inf, in place (one row ``[vocab]``); returns ``logits``."""
-    allowed = bitmask_to_bool(row, logits.shape[-1])
-    logits[~allowed] = -np.inf
-    return logits
-
-
-def apply_bitmask_torch(logits, bitmask, rows: list[int] | None = None) -> None:
-    """Disallowed tokens' logits to -inf, in place, on the logits' device (xgrammar's CUDA /
-    Triton kernel on GPU, its CPU code on CPU). ``logits`` ``[batch, vocab]``; ``bitmask``
-    ``[batch, words]`` (numpy or torch, any device); ``rows``: only these rows (the other
-    sequences of the batch are unconstrained)."""
-    import torch
-
-    xgr = _xgr()
-    mask = torch.as_tensor(bitmask)
-    if mask.device != logits.device:
-        mask = mask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1], indices=rows)
 

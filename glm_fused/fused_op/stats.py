@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 
 logger = logging.getLogger("glm_fused.fusion")
 
@@ -22,15 +23,15 @@ class FusionStats:
     def reset(self) -> None:
         self.fused_calls = 0
         self.plain_allreduce_calls = 0
-        self.impl: dict[str, int] = {k: 0 for k in self.IMPLS}
-        self.fallback_reasons: dict[str, int] = {}
+        self.impl = Counter({k: 0 for k in self.IMPLS})
+        self.fallback_reasons: Counter[str] = Counter()
 
     def record(self, impl: str, reason: str | None = None) -> None:
         """One fused call served by ``impl``; ``reason`` when it fell back to the reference."""
         self.fused_calls += 1
-        self.impl[impl] = self.impl.get(impl, 0) + 1
+        self.impl[impl] += 1
         if reason is not None:
-            self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+            self.fallback_reasons[reason] += 1
 
     def record_plain_allreduce(self, n: int = 1) -> None:
         self.plain_allreduce_calls += n
@@ -39,10 +40,8 @@ class FusionStats:
         """Count ``other``'s calls too (a replayed CUDA graph adds the calls it captured)."""
         self.fused_calls += other.fused_calls
         self.plain_allreduce_calls += other.plain_allreduce_calls
-        for k, v in other.impl.items():
-            self.impl[k] = self.impl.get(k, 0) + v
-        for k, v in other.fallback_reasons.items():
-            self.fallback_reasons[k] = self.fallback_reasons.get(k, 0) + v
+        self.impl.update(other.impl)  # Counter.update adds
+        self.fallback_reasons.update(other.fallback_reasons)
 
     def as_dict(self) -> dict:
         return {
@@ -77,21 +76,9 @@ class FallbackLog:
                       "fused all-reduce + RMSNorm falls back to the reference: %s", reason)
         return True
 
-    log = log_once
-
     @classmethod
     def reset(cls) -> None:
         """Forget what was logged (a fresh process's state; for tests run in one process)."""
         with cls._lock:
             cls._seen.clear()
 
-    @classmethod
-    def seen(cls) -> frozenset[str]:
-        with cls._lock:
-            return frozenset(cls._seen)
-
-    @classmethod
-    def forget(cls) -> None:
-        """Tests only: start over as if the process were new."""
-        with cls._lock:
-            cls._seen.clear()

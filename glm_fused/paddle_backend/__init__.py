@@ -17,8 +17,7 @@ warnings.filterwarnings("ignore", message="No ccache found", category=UserWarnin
 from glm_fused.paddle_backend.dist import barrier, broadcast_int64, init_distributed  # noqa: E402
 from glm_fused.paddle_backend.ops import LAYERS, OPS  # noqa: E402
 
-NAME = "paddle"
 Glm4MoeForCausalLM, Glm4MoeModel = LAYERS.Glm4MoeForCausalLM, LAYERS.Glm4MoeModel
 
-__all__ = ["NAME", "OPS", "LAYERS", "Glm4MoeForCausalLM", "Glm4MoeModel", "init_distributed", "broadcast_int64",
+__all__ = ["OPS", "LAYERS", "Glm4MoeForCausalLM", "Glm4MoeModel", "init_distributed", "broadcast_int64",
            "barrier"]

@@ -13,7 +13,8 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from glm_fused.comm import TPCommBase, device_index, device_kind, dist_backend, rank_and_world, shares_gpu
+from glm_fused.comm import (TPCommBase, barrier_all, device_index, device_kind, dist_backend, leave_group,
+                            rank_and_world, shares_gpu)
 
 
 def device() -> str:
@@ -41,15 +42,8 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
 
 
 def shutdown_distributed() -> None:
-    """Leave the process group in a known order: all ranks meet in a barrier (none is still
-    inside a collective with a peer), then the group is destroyed (as the torch backend does)."""
-    if not dist.is_initialized():
-        return
-    try:
-        if dist.get_world_size() > 1:
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    """Leave the process group (``glm_fused.comm.leave_group``)."""
+    leave_group(dist)
 
 
 def collective_place():
@@ -81,27 +75,20 @@ def broadcast_int64(array: np.ndarray | None, src: int = 0) -> np.ndarray:
 
 
 def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    barrier_all(dist)
 
 
 class TPComm(TPCommBase):
     """``TPCommBase`` over paddle.distributed (the TP group is the world)."""
 
+    dist = dist
+    join = staticmethod(init_distributed)
+
     def __init__(self, rank: int = 0, size: int = 1, group=None):
-        if size > 1 and not dist.is_initialized():
-            raise RuntimeError(f"TPComm(size={size}) needs paddle.distributed initialised first")
         super().__init__(rank, size, group)
         # Ranks sharing one GPU talk over gloo, which moves host tensors: activations take a
         # round trip through host memory (slow, but only the test set-up of a single GPU does it).
         self._via_host = size > 1 and shares_gpu()
-
-    @classmethod
-    def from_env(cls, tp_rank: int, tp_size: int) -> "TPComm":
-        """Join the group if needed (``tp_size > 1``), then this rank's handle."""
-        if tp_size > 1:
-            init_distributed()
-        return cls(tp_rank, tp_size)
 
     def all_reduce_uncounted(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.size == 1:
@@ -141,14 +128,6 @@ class TPComm(TPCommBase):
         out: list = []
         dist.all_gather_object(out, obj, group=self.group)
         return out
-
-    def broadcast_object(self, obj, src: int):
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
-
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)
 
     def all_agree(self, ok: bool) -> bool:
         flag = paddle.to_tensor([int(ok)], dtype="int32", place=collective_place())

@@ -304,11 +304,10 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
             await collect(results, by_id)
         finally:
             watcher.cancel()
-        n_out = sum(len(c.token_ids) for c in choices)
-        log_line[ACCESS_NOTE] = _note(rid, n_prompt, n_out, [c.finish_reason for c in choices])
+        log_line[ACCESS_NOTE], n_out = _note(rid, n_prompt, choices)
         if kind == "completion":
-            return P.completion_response(rid, model_name, [c.completion() for c in choices], n_prompt, n_out)
-        return P.chat_response(rid, model_name, [c.chat() for c in choices], n_prompt, n_out)
+            return P.response(rid, "text_completion", model_name, [c.completion() for c in choices], n_prompt, n_out)
+        return P.response(rid, "chat.completion", model_name, [c.chat() for c in choices], n_prompt, n_out)
 
     async def read_body(raw: Request) -> bytes:
         """The body, refused with 413 as soon as it is known to exceed the limit (from
@@ -412,8 +411,7 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
                 yield P.completion_chunk(rid, model_name, created, P.completion_choice(
                     choice.index, text, out.finish_reason if out.finished else None, logprobs,
                     out.new_token_ids if prep.return_token_ids else None))
-        n_out = sum(len(c.token_ids) for c in by_id.values())
-        log_line[ACCESS_NOTE] = _note(rid, prompt_tokens, n_out, [c.finish_reason for c in by_id.values()])
+        log_line[ACCESS_NOTE], n_out = _note(rid, prompt_tokens, by_id.values())
         if prep.include_usage:
             yield P.usage_chunk(rid, model_name, created, "text_completion", prompt_tokens, n_out)
 
@@ -432,18 +430,18 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
             if delta or out.finished or logprobs:
                 reason = choice.chat_finish_reason(out.finish_reason) if out.finished else None
                 yield P.chat_chunk(rid, model_name, created, delta, reason, choice.index, logprobs)
-        n_out = sum(len(c.token_ids) for c in by_id.values())
-        log_line[ACCESS_NOTE] = _note(rid, prompt_tokens, n_out, [c.finish_reason for c in by_id.values()])
+        log_line[ACCESS_NOTE], n_out = _note(rid, prompt_tokens, by_id.values())
         if prep.include_usage:
             yield P.usage_chunk(rid, model_name, created, "chat.completion.chunk", prompt_tokens, n_out)
 
     return app
 
 
-def _note(rid: str, prompt_tokens: int, completion_tokens: int, reasons: list) -> str:
-    """What the access log line says about a generation request."""
-    finish = ",".join(sorted({str(r) for r in reasons}))
-    return f"{rid} prompt_tokens={prompt_tokens} completion_tokens={completion_tokens} finish={finish}"
+def _note(rid: str, prompt_tokens: int, choices) -> tuple[str, int]:
+    """What the access log line says about a generation request, and its completion tokens."""
+    n_out = sum(len(c.token_ids) for c in choices)
+    finish = ",".join(sorted({str(c.finish_reason) for c in choices}))
+    return f"{rid} prompt_tokens={prompt_tokens} completion_tokens={n_out} finish={finish}", n_out
 
 
 def _tokenizer_info(tokenizer, max_model_len: int) -> dict:

@@ -210,12 +210,3 @@ class ChatOutputParser:
         if self._reasoning is not None:
             msg["reasoning_content"] = self._reasoning.result()[0]
         return msg
-
-
-def parse_answer(text: str, prompt: str = "", *, reasoning: bool = False, tools: list[dict] | None = None,
-                 make_id=new_call_id) -> dict:
-    """The assistant message of a whole answer (see ``ChatOutputParser``)."""
-    parser = ChatOutputParser(prompt, reasoning=reasoning, tools=tools, make_id=make_id)
-    parser.feed(text)
-    parser.finish()
-    return parser.message()

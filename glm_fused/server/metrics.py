@@ -28,8 +28,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 PREFIX = "glm_fused:"
-# What /metrics answers with (the exposition format prometheus_client writes).
-CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 # Latency buckets in seconds: CPU toy models and GPU decode steps both land inside.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -159,5 +157,5 @@ class ServerMetrics:
 
     # ---- exposition (HTTP thread) ----------------------------------------------------------
     def render(self) -> str:
-        """The page for ``GET /metrics`` (serve it with ``CONTENT_TYPE``)."""
+        """The page for ``GET /metrics``."""
         return prometheus_client.generate_latest(self.registry).decode("utf-8")

@@ -34,7 +34,6 @@ from glm_fused.server import protocol as P
 from glm_fused.server.errors import ApiError, from_validation_errors
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-KINDS = ("completion", "chat", "tokenize", "detokenize")
 # A lone surrogate can only come from a \uD800-\uDFFF escape (raw UTF-8 cannot encode one).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 

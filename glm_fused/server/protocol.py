@@ -259,18 +259,14 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
     return choice
 
 
-def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+def response(rid: str, obj: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+    """A whole (non-streamed) answer: ``obj`` is ``text_completion`` or ``chat.completion``."""
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def completion_chunk(rid: str, model: str, created: int, choice: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
-
-
-def chat_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None, index: int = 0,

@@ -46,12 +46,16 @@ def start_state(prompt: str) -> str:
     return EXPECT
 
 
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
+def partial_tag(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of one of ``tags`` (text
+    to hold back: the tag may complete in the next piece)."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(text), len(tag) - 1), best, -1):
+            if tag.startswith(text[-n:]):
+                best = n
+                break
+    return best
 
 
 @dataclass
@@ -71,11 +75,6 @@ class Glm45ReasoningParser:
         self._content_started = False  # newlines before the first content are separators
         self.reasoning = ""            # totals so far
         self.content = ""
-
-    @property
-    def in_reasoning(self) -> bool:
-        """Still inside (or possibly about to open) the think block."""
-        return self.state != CONTENT
 
     def feed(self, text: str) -> ReasoningDelta:
         out = ReasoningDelta()
@@ -97,7 +96,7 @@ class Glm45ReasoningParser:
                     out.reasoning += buf[:end]
                     self.state, buf = CONTENT, buf[end + len(THINK_END):]
                 else:
-                    keep = _partial_tag(buf, THINK_END)
+                    keep = partial_tag(buf, (THINK_END,))
                     out.reasoning += buf[:len(buf) - keep]
                     self._held, buf = buf[len(buf) - keep:], ""
             else:
@@ -128,11 +127,3 @@ class Glm45ReasoningParser:
     def result(self) -> tuple[str | None, str | None]:
         """``(reasoning_content, content)`` so far, ``None`` where empty (as vLLM)."""
         return self.reasoning or None, self.content or None
-
-
-def parse_reasoning(text: str, prompt: str = "") -> tuple[str | None, str | None]:
-    """``(reasoning_content, content)`` of a whole answer to ``prompt``."""
-    parser = Glm45ReasoningParser(prompt)
-    parser.feed(text)
-    parser.finish()
-    return parser.result()

@@ -35,6 +35,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from glm_fused.server.reasoning import partial_tag
+
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
 KEY_START, KEY_END = "<arg_key>", "</arg_key>"
 VALUE_START, VALUE_END = "<arg_value>", "</arg_value>"
@@ -131,17 +133,6 @@ class ToolDelta:
     tool_calls: list[dict] = field(default_factory=list)
 
 
-def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of one of ``tags``."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(text), len(tag) - 1), best, -1):
-            if tag.startswith(text[-n:]):
-                best = n
-                break
-    return best
-
-
 def _first(text: str, tags: tuple[str, ...]) -> tuple[int, str | None]:
     """Where the first of ``tags`` occurs in ``text`` (-1, None if none does)."""
     hits = [(i, t) for t in tags if (i := text.find(t)) >= 0]
@@ -215,7 +206,7 @@ class Glm45ToolParser:
     def _in_text(self, buf: str) -> str:
         i = buf.find(TOOL_START)
         if i < 0:
-            keep = _partial_tag(buf, (TOOL_START,))
+            keep = partial_tag(buf, (TOOL_START,))
             self._content(buf[:len(buf) - keep])
             self._held = buf[len(buf) - keep:]
             return ""
@@ -238,7 +229,7 @@ class Glm45ToolParser:
     def _in_args(self, buf: str) -> str:
         i, tag = _first(buf, (KEY_START, TOOL_END))
         if i < 0:  # whitespace (or stray text) between pairs
-            keep = _partial_tag(buf, (KEY_START, TOOL_END))
+            keep = partial_tag(buf, (KEY_START, TOOL_END))
             self._held = buf[len(buf) - keep:]
             return ""
         if tag == TOOL_END:
@@ -261,7 +252,7 @@ class Glm45ToolParser:
     def _in_before_value(self, buf: str) -> str:
         i, tag = _first(buf, (VALUE_START, KEY_START, TOOL_END))
         if i < 0:
-            keep = _partial_tag(buf, (VALUE_START, KEY_START, TOOL_END))
+            keep = partial_tag(buf, (VALUE_START, KEY_START, TOOL_END))
             self._held = buf[len(buf) - keep:]
             return ""
         if tag == VALUE_START:
@@ -275,7 +266,7 @@ class Glm45ToolParser:
     def _in_value(self, buf: str) -> str:
         i, tag = _first(buf, (VALUE_END, TOOL_END))
         if i < 0:
-            keep = _partial_tag(buf, (VALUE_END, TOOL_END))
+            keep = partial_tag(buf, (VALUE_END, TOOL_END))
             self._value_text(buf[:len(buf) - keep])
             self._held = buf[len(buf) - keep:]
             return ""
@@ -289,7 +280,7 @@ class Glm45ToolParser:
 
     # ---- helpers ---------------------------------------------------------------------------
     def _hold(self, buf: str, tags: tuple[str, ...]) -> str:
-        keep = _partial_tag(buf, tags)
+        keep = partial_tag(buf, tags)
         self._acc += buf[:len(buf) - keep]
         self._held = buf[len(buf) - keep:]
         return ""
@@ -372,13 +363,3 @@ class Glm45ToolParser:
     def _take(self) -> ToolDelta:
         out, self._out = self._out, None
         return out
-
-
-def parse_tool_calls(text: str, tools: list[dict] | None = None,
-                     make_id: Callable[[], str] = new_call_id) -> tuple[str | None, list[dict]]:
-    """``(content, tool_calls)`` of a whole answer, ``tool_calls`` in OpenAI's message shape."""
-    parser = Glm45ToolParser(tools, make_id)
-    parser.feed(text)
-    parser.finish()
-    content, calls = parser.result()
-    return content, [c.to_openai() for c in calls]

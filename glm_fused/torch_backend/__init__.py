@@ -12,8 +12,7 @@ from __future__ import annotations
 from glm_fused.torch_backend.dist import barrier, broadcast_int64, init_distributed
 from glm_fused.torch_backend.ops import LAYERS, OPS
 
-NAME = "torch"
 Glm4MoeForCausalLM, Glm4MoeModel = LAYERS.Glm4MoeForCausalLM, LAYERS.Glm4MoeModel
 
-__all__ = ["NAME", "OPS", "LAYERS", "Glm4MoeForCausalLM", "Glm4MoeModel", "init_distributed", "broadcast_int64",
+__all__ = ["OPS", "LAYERS", "Glm4MoeForCausalLM", "Glm4MoeModel", "init_distributed", "broadcast_int64",
            "barrier"]

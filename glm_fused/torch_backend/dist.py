@@ -9,7 +9,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from glm_fused.comm import TPCommBase, device_index, device_kind, dist_backend, rank_and_world, shares_gpu
+from glm_fused.comm import (TPCommBase, barrier_all, device_index, device_kind, dist_backend, leave_group,
+                            rank_and_world, shares_gpu)
 
 
 def device() -> torch.device:
@@ -39,22 +40,8 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
 
 
 def shutdown_distributed() -> None:
-    """Leave the process group in a known order: all ranks meet in a barrier (none is still
-    inside a collective with a peer), then the group is destroyed, which joins gloo's and
-    NCCL's threads while the interpreter is whole.
-
-    Left to interpreter exit, a gloo worker thread can drop its last finished work item
-    during finalization; freeing the item's tensors takes the GIL, which a finalizing
-    interpreter answers with pthread_exit inside a noexcept destructor: std::terminate,
-    SIGABRT ("terminate called without an active exception").
-    """
-    if not dist.is_initialized():
-        return
-    try:
-        if dist.get_world_size() > 1:
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    """Leave the process group (``glm_fused.comm.leave_group``)."""
+    leave_group(dist)
 
 
 def _collective_device() -> torch.device:
@@ -80,24 +67,14 @@ def broadcast_int64(array: np.ndarray | None, src: int = 0) -> np.ndarray:
 
 
 def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    barrier_all(dist)
 
 
 class TPComm(TPCommBase):
     """``TPCommBase`` over torch.distributed (the TP group is the world)."""
 
-    def __init__(self, rank: int = 0, size: int = 1, group=None):
-        if size > 1 and not dist.is_initialized():
-            raise RuntimeError(f"TPComm(size={size}) needs torch.distributed initialised first")
-        super().__init__(rank, size, group)
-
-    @classmethod
-    def from_env(cls, tp_rank: int, tp_size: int) -> "TPComm":
-        """Join the group if needed (``tp_size > 1``), then this rank's handle."""
-        if tp_size > 1:
-            init_distributed()
-        return cls(tp_rank, tp_size)
+    dist = dist
+    join = staticmethod(init_distributed)
 
     def all_reduce_uncounted(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -129,14 +106,6 @@ class TPComm(TPCommBase):
         out = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
         return out
-
-    def broadcast_object(self, obj, src: int):
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
-
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)
 
     def all_agree(self, ok: bool) -> bool:
         flag = torch.tensor([int(ok)], dtype=torch.int32, device=_collective_device())
