@@ -19,8 +19,8 @@ decode sizes - which is what the memory floor counts.
 fp8 weights (e4m3 codes with one float32 scale per weight row), three modes (``fp8_mode``):
 
 * WEIGHT_ONLY: the weight tiles are widened to the activations' dtype in registers and
-  multiplied in bf16, each output column's scale applied after the K loop. Decode reads the
-  weights once whatever the products are, so quantizing activations only adds work.
+  multiplied in bf16 (or, in FMA tiles, in fp32 without tensor cores), each output column's
+  scale applied after the K loop; the activations are not quantized.
 * QUANT_IN_KERNEL: the GEMMs multiply in fp8, each program quantizing its own rows per row
   (``x`` per token in ``gate_up``, ``h`` per pair in ``down``) as it loads them (a first pass
   over K finds a row's largest magnitude), the fp32 products scaled by the row's scale and the
@@ -29,7 +29,8 @@ fp8 weights (e4m3 codes with one float32 scale per weight row), three modes (``f
   ``x`` and ``h`` are quantized once (``kernels.fp8.per_token_quant``) and the GEMMs read e4m3
   rows with their scales.
 
-Which decode mode runs up to how many tokens is measured (FP8_DECODE_MODES).
+Decode reads the same weight bytes in either decode mode; which one is faster at which token
+count was measured (FP8_DECODE_MODES: weight-only up to 8 tokens, quantize-in-kernel above).
 """
 
 from __future__ import annotations
