@@ -82,6 +82,16 @@ class ForwardBatch:
         n = len(tokens)
         return cls(tokens, context_lens, [1] * n, context_lens, np.arange(n), block_tables)
 
+    def as_token_rows(self) -> "ForwardBatch":
+        """The same tokens as a batch of one-token rows: each token at its position, over its
+        sequence's block table, its context everything before it. Every row's key is written
+        before any row attends, so row i sees exactly the keys a causal prefill gives token i:
+        the same forward, in the shape the CUDA decode graphs take
+        (``glm_fused.torch_backend.cuda_graph``)."""
+        seq = np.repeat(np.arange(self.num_seqs), self.query_lens)
+        return ForwardBatch(self.input_ids, self.positions, np.ones(self.num_tokens), self.positions,
+                            self.logits_indices, self.block_tables[seq], rows=self.rows[seq])
+
     # ---- one int64 array, for a broadcast from rank 0 --------------------------------
     def to_array(self) -> np.ndarray:
         parts = [getattr(self, name) for name in _FIELDS]

@@ -16,8 +16,9 @@ full (contiguous, so one asynchronous copy from pinned memory: at 131,072 positi
 capture (the runner makes it first). Graphs share one memory pool, captured largest first.
 
 A short prompt chunk replays the same graphs (``run`` takes any batch ``can_run`` accepts): each
-of its tokens becomes a row of its own, at its position, over its sequence's block table, with
-position + 1 keys - the causal mask, since every row's key is written before any row attends.
+of its tokens becomes a row of its own (``ForwardBatch.as_token_rows``), at its position, over
+its sequence's block table, with position + 1 keys - the causal mask, since every row's key is
+written before any row attends.
 Eagerly, a lone 32-token prompt waited 24 ms for its first token on a 20-layer model whose
 decode step takes 3.9 ms (an H200): the step was mostly launches; replayed, 11.6 ms. The rows
 re-read their sequence's keys once each, so a step qualifies only while the keys its chunks
@@ -110,20 +111,21 @@ class DecodeGraphs:
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Normed hidden states ``[T, H]`` of a batch ``can_run`` accepts: one row per token."""
-        T = batch.num_tokens
-        bs = next(s for s in self.sizes if s >= T)
+        if batch.num_tokens != batch.num_seqs:
+            batch = batch.as_token_rows()
+        S = batch.num_seqs
+        bs = next(s for s in self.sizes if s >= S)
         self._turn ^= 1
         self._pinned, self._pinned_tables = self._staging[self._turn]
         if self._copied[self._turn] is not None:
             self._copied[self._turn].synchronize()  # two steps back: long done in practice
         host = self._pinned.numpy()
-        host[0, :T], host[1, :T] = batch.input_ids, batch.positions
-        host[2, :T] = batch.slot_mapping(self.block_size)
-        host[3, :T] = batch.positions + 1
-        host[4, :T] = np.repeat(batch.rows, batch.query_lens)
-        self._fill_padding(T)
-        tables = batch.block_tables if T == batch.num_seqs else np.repeat(batch.block_tables, batch.query_lens, 0)
-        self._pinned_tables.numpy()[:T, :tables.shape[1]] = tables
+        host[0, :S], host[1, :S] = batch.input_ids, batch.positions
+        host[2, :S] = batch.slot_mapping(self.block_size)
+        host[3, :S] = batch.context_lens + 1
+        host[4, :S] = batch.rows
+        self._fill_padding(S)
+        self._pinned_tables.numpy()[:S, :batch.block_tables.shape[1]] = batch.block_tables
         self.inputs[:, :bs].copy_(self._pinned[:, :bs], non_blocking=True)
         self.tables[:bs].copy_(self._pinned_tables[:bs], non_blocking=True)
         self._copied[self._turn] = torch.cuda.Event()
@@ -131,4 +133,4 @@ class DecodeGraphs:
         graph, out, stats = self.graphs[bs]
         graph.replay()
         self.model.comm.stats.add(stats)
-        return out[:T]
+        return out[:S]
