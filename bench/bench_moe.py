@@ -9,9 +9,11 @@ configuration per size, ready for ``GATE_UP_CONFIGS`` / ``DOWN_CONFIGS`` in
 ``glm_fused/torch_backend/kernels/fused_moe.py``.
 
 ``--fp8``: the experts' weights quantized per row (e4m3), the fp8 kernels (at decode sizes
-both the weight-only and the quantize-in-kernel mode, and swapped tiles), the floor at 1 byte
-per weight, each variant checked against the expert loop on the dequantized weights within 5e-2 (activation quantization; the fp8 rule), the best
-configurations ready for ``FP8_GATE_UP_CONFIGS`` / ``FP8_DOWN_CONFIGS`` (no grouped GEMM row).
+both the weight-only and the quantize-in-kernel mode; swapped tiles, and at one token FMA
+tiles, weight-only), the floor at 1 byte per weight, each variant checked against the expert
+loop on the dequantized weights within 5e-2 (activation quantization; the fp8 rule), the best
+mode and tile per size ready for ``FP8_DECODE_MODES`` / ``_FP8_DECODE_TILES`` (no grouped GEMM
+row).
 
 ``python scripts/bench_moe.py [--tokens 1,8,32,64,256,2048] [--fp8] [--json OUT]``
 """
