@@ -99,7 +99,7 @@ def test_fp8_kernels_compile_for_sm90():
     except Exception as exc:  # no ptxas in this Triton build
         pytest.skip(f"cannot compile for sm90 here: {type(exc).__name__}: {str(exc)[:200]}")
     assert "cvt.rn.satfinite.e4m3x2.f32" in quant.asm["ptx"]
-    for kind, bm, bn in ((fp8.DOT, 16, 32), (fp8.SWAP, 16, 64), (fp8.FMA, 1, 16)):
+    for kind, bm, bn in ((fp8.MMA, 16, 32), (fp8.SWAP, 16, 64), (fp8.FMA, 1, 16)):
         gemv = _sm90_compile(fp8._weight_only_kernel, {
             "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
             "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32", "stride_o": "i32"},

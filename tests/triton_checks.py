@@ -483,7 +483,7 @@ CHECKS.update({
     "moe_fp8_weight_only_fma": lambda d, t: check_moe_fp8(d, t, T=1, mode=3, tile=_moe_tile(2)),
     # an FMA tile asked for in a quantizing mode runs as an MMA tile
     "moe_fp8_fma_tile_quantized": lambda d, t: check_moe_fp8(d, t, T=1, mode=1, tile=_moe_tile(2)),
-    "linear_fp8_dot": lambda d, t: check_linear_fp8(d, t, cfg=_gemv_tile(0, 16, 32)),
+    "linear_fp8_mma": lambda d, t: check_linear_fp8(d, t, cfg=_gemv_tile(0, 16, 32)),
     "linear_fp8_swap": lambda d, t: check_linear_fp8(d, t, cfg=_gemv_tile(1, 16, 32)),
     "linear_fp8_fma": lambda d, t: check_linear_fp8(d, t, M=1, cfg=_gemv_tile(2, 1, 16)),
     # above WEIGHT_ONLY_MAX_ROWS rows: activations quantized per token, then _scaled_mm

@@ -96,11 +96,12 @@ def linear_fp8_scaled_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
 
 
 # ---------------------------------------------------------------------------- weight-only
-# How a weight-only tile multiplies (constexpr KIND): tensor cores with the activations as
-# the MMA's A operand; "swap", the weight tile as A (its rows fill the MMA's 64-row side where
-# the few activation rows would be padding); or no tensor cores at all, one activation row per
-# program (multiply-adds in fp32, the weight read once per row: for one row).
-DOT, SWAP, FMA = 0, 1, 2
+# How a tile multiplies (constexpr KIND; here and in the fused MoE): MMA, tensor cores with
+# the activation rows as the MMA's A operand; SWAP, the weight tile as A (its rows fill the
+# MMA's 64-row side where a decode step's few rows would be padding); FMA, no tensor cores, one
+# activation row per program, multiply-adds in fp32 (for one row, where an MMA tile is mostly
+# padding). SWAP and FMA take unquantized activations.
+MMA, SWAP, FMA = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,9 @@ WEIGHT_ONLY_MAX_ROWS = 16  # up to this many rows the weight-only kernel (see th
 # Keyed by the most rows; chosen on an H200 with scripts/bench_linear.py at GLM-4.5-Air's shapes.
 GEMV_CONFIGS = [
     (1, GemvConfig(FMA, 1, 8, 1024, 4, 3)),
-    (4, GemvConfig(DOT, 16, 32, 256, 4, 4)),
-    (8, GemvConfig(DOT, 16, 32, 256, 4, 4)),
-    (16, GemvConfig(DOT, 16, 32, 512, 4, 3)),
+    (4, GemvConfig(MMA, 16, 32, 256, 4, 4)),
+    (8, GemvConfig(MMA, 16, 32, 256, 4, 4)),
+    (16, GemvConfig(MMA, 16, 32, 512, 4, 3)),
 ]
 
 

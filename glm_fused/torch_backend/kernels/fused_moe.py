@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from glm_fused.torch_backend.kernels import dot_precision, next_pow2
+from glm_fused.torch_backend.kernels.fp8 import FMA, MMA, SWAP  # noqa: F401  (the tile kinds, named here too)
 from glm_fused.torch_backend.kernels.fp8 import per_token_quant, to_fp8, token_scale
 
 CHUNK = 64  # pairs per program in the align kernels
@@ -276,12 +277,8 @@ def _row_scales(a_ptrs, as_ptr, rows, mask, K, FP8: tl.constexpr, BLOCK_M: tl.co
     return scale
 
 
-# How a tile multiplies (TileConfig.kind, constexpr KIND): tensor cores with the activation rows
-# as the MMA's A operand; SWAP, the weight tile as A (its rows fill the MMA's 64-row side that a
-# decode step's few tokens would leave as padding); FMA, no tensor cores: one pair per program
-# (BLOCK_M 1), multiply-adds in fp32, for one-token steps, where an MMA tile is mostly padding.
-# SWAP and FMA take unquantized rows (no fp8 activations).
-MMA, SWAP, FMA = 0, 1, 2
+# How a tile multiplies: TileConfig.kind, constexpr KIND, one of kernels.fp8's MMA, SWAP, FMA
+# (an FMA tile holds one (token, expert) pair: BLOCK_M 1).
 
 
 @triton.jit
@@ -449,7 +446,7 @@ class TileConfig:
     group_m: int
     num_warps: int
     num_stages: int
-    kind: int = 0  # MMA, SWAP or FMA (see MMA above; FMA takes block_m 1)
+    kind: int = MMA  # MMA, SWAP or FMA (kernels.fp8; FMA takes block_m 1)
 
 
 # Chosen on an H200 with scripts/bench_moe.py at GLM-4.5-Air sizes (docs/speed.md has the
