@@ -100,6 +100,8 @@ def write_checkpoint(path: Path, size: str, fp8: bool = False) -> float:
             k = min(n - at, len(src) - start)
             out[at:at + k] = src[start:start + k]
             at, start = at + k, 0
+        if spec.name.endswith("_scale"):
+            out &= 0x7FFF  # scales are positive: bf16 with the sign bit clear
         return out.reshape(spec.shape)
 
     def dtype(spec) -> str:
