@@ -148,14 +148,16 @@ class ModelRunner:
 
     # Token counts whose kernel variants a served step can need: the fused MoE's tile buckets
     # (1, 8, 64, 256, more) and, in each, counts that are and are not multiples of 16 (Triton
-    # specialises integer arguments on that). Measured without it: 64 prompts of 512 tokens on
-    # a fresh server had a median TTFT of 8.9 s, the same load again 1.3 s (docs/speed.md).
+    # specialises integer arguments on that, where a kernel does not opt out). Measured without
+    # it: 64 prompts of 512 tokens on a fresh server had a median TTFT of 8.9 s, the same load
+    # again 1.3 s (docs/speed.md). tests/test_triton_kernels.py checks that no step compiles after.
     WARM_TOKENS = (1, 3, 8, 16, 40, 64, 100, 128, 257, 1000, 1024)
 
     def _warm_up(self) -> None:
         """Compile every kernel variant before serving: prompt steps of ``WARM_TOKENS`` (and of
-        the step limit less one) and a step mixing decodes with a prompt chunk. Garbage goes
-        into blocks no sequence holds yet."""
+        the step limit less one) and steps mixing decodes with a prompt chunk (2 decodes, and
+        the most a step can hold: the decode kernel's builds depend on their number). Garbage
+        goes into blocks no sequence holds yet."""
         F, a = self.F, self.args
         limit = a.max_num_batched_tokens
         sizes = sorted({t for t in self.WARM_TOKENS if t <= limit} | {limit - 1, limit} - {0})
@@ -164,11 +166,14 @@ class ModelRunner:
         def table(n):
             return (np.arange(kv_cache.cdiv(n, bs)) % n_blocks)[None, :]
 
+        def mixed(decodes):  # decodes (context 7) beside a 3-token chunk after 10 positions
+            query, context = [1] * decodes + [3], [7] * decodes + [10]
+            positions = np.concatenate([np.arange(c, c + q) for c, q in zip(context, query)])
+            return ForwardBatch(np.zeros(len(positions), np.int64), positions, query, context,
+                                np.cumsum(query) - 1, np.concatenate([table(16)] * len(query)))
+
         batches = [ForwardBatch.prefill([[0] * t], table(t)) for t in sizes]
-        if limit >= 5:  # two decodes (contexts 7 and 4) beside a 3-token chunk after 10 positions
-            tables = np.concatenate([table(16)] * 3)
-            batches.append(ForwardBatch(np.zeros(5, np.int64), np.array([7, 10, 11, 12, 4]), np.array([1, 3, 1]),
-                                        np.array([7, 10, 4]), np.array([0, 3, 4]), tables))
+        batches += [mixed(d) for d in sorted({2, a.max_num_seqs - 1}) if d >= 2 and d + 3 <= limit]
         like = self.model.embed_tokens.weight
         with F.no_grad():
             for batch in batches:

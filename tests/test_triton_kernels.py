@@ -182,7 +182,7 @@ def test_linear_fp8_at_air_sizes(cuda, M, N, K):
 
 
 @pytest.mark.gpu
-def test_decode_attention_at_air_sizes(cuda):
+def test_attention_kernels_at_air_sizes(cuda):
     import triton_checks
 
     for page in (16, 64, 128):
@@ -192,6 +192,11 @@ def test_decode_attention_at_air_sizes(cuda):
     res = triton_checks.check_decode_attention("cuda", torch.float32, lens=(3, 100), heads=24, kv_heads=2,
                                                head_dim=128)
     _assert_checks({"decode_attention_fp32": res}, FP32_TOL)
+    for page in (16, 64):  # prompt chunks: fresh, after a cached prefix, a lone decode
+        res = triton_checks.check_prefill_attention("cuda", torch.bfloat16, chunks=((0, 512), (2048, 32), (700, 1),
+                                                                                    (100, 300)),
+                                                    heads=96, kv_heads=8, head_dim=128, page=page)
+        _assert_checks({f"prefill_attention_page{page}": res}, BF16_TOL)
 
 
 @pytest.mark.gpu
@@ -249,6 +254,53 @@ def test_cuda_graph_decode_matches_eager(cuda, monkeypatch, quantization):
     for a, b in zip(logits[True], logits[False]):
         assert np.abs(a - b).max() / np.abs(b).max() <= BF16_TOL
         assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.75
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_no_kernel_compiles_after_start_up(cuda, monkeypatch, tmp_path, quantization):
+    """Once the runner is built (graphs captured, kernels warmed up), no step a server can
+    schedule compiles a Triton kernel: decodes of every batch size beside prompt chunks of any
+    length and context, in random mixes. A compile in the middle of serving stalls every
+    request for 0.5-1.4 s. Real GLM-4.5-Air widths, 2 layers (one dense, one MoE)."""
+    monkeypatch.setenv("GLM_FUSED_DEVICE", "gpu")
+    import numpy as np
+    import triton
+
+    from glm_fused.batch import ForwardBatch
+    from glm_fused.engine_args import EngineArgs
+    from glm_fused.runner import ModelRunner
+
+    config = json.loads((Path(__file__).resolve().parents[1] / "configs" / "glm-4.5-air.json").read_text())
+    config["num_hidden_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    max_seqs, limit, max_len, bs = 32, 512, 1024, 16
+    settings = EngineArgs(model=str(tmp_path), backend="torch", device="gpu", dtype="bfloat16",
+                          max_num_seqs=max_seqs, max_model_len=max_len, max_num_batched_tokens=limit,
+                          load_format="dummy", block_size=bs, num_gpu_blocks_override=max_seqs * max_len // bs,
+                          quantization=quantization).resolve()
+    runner = ModelRunner(settings, settings.config(), tp_rank=0, tp_size=1)
+    compiled = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
+                        lambda **kw: compiled.append(kw["repr"].split("[")[0]))
+    rng = np.random.default_rng(0)
+    tables = rng.permutation(max_seqs * max_len // bs).reshape(max_seqs, -1)
+    vocab = config["vocab_size"]
+    for step in range(60):
+        n_chunks = int(rng.integers(0, 4))
+        n_dec = int(rng.integers(0 if n_chunks else 1, max_seqs - n_chunks + 1)) if step % 4 else \
+            max_seqs - n_chunks - step % 8
+        budget = limit - n_dec
+        chunks = [int(rng.integers(1, max(2, budget // max(1, n_chunks)))) for _ in range(n_chunks)]
+        query = [1] * n_dec + chunks
+        context = [int(rng.integers(1, max_len - q)) if q == 1 or rng.random() < 0.5 else 0 for q in query]
+        rows = rng.permutation(max_seqs)[:len(query)]
+        batch = ForwardBatch(rng.integers(0, vocab, sum(query)),
+                             np.concatenate([np.arange(c, c + q) for c, q in zip(context, query)]),
+                             query, context, np.cumsum(query) - 1, tables[rows])
+        runner.forward(batch)
+    runner.close()
+    assert not compiled, f"kernels compiled after start-up: {sorted(set(compiled))}"
 
 
 @pytest.mark.slow

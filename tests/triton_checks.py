@@ -144,6 +144,42 @@ def check_decode_attention(device, dtype, lens=(1, 70, 200, 33), heads=12, kv_he
     return {"out": worst, "contiguous": worst_contiguous}
 
 
+def check_prefill_attention(device, dtype, chunks=((0, 5), (0, 70), (37, 1), (9, 3), (64, 64), (130, 20)), heads=12,
+                            kv_heads=2, head_dim=32, page=16, seed=5):
+    """Every prompt chunk ((context_len, query_len): fresh prompts, a lone decode, chunks after
+    context that do and do not end on a tile edge) in one launch, each sequence's blocks
+    scattered over the cache, against an fp32 causal reference; rows of q that belong to no
+    chunk stay untouched."""
+    from glm_fused.torch_backend.kernels.prefill_attention import prefill_attention
+
+    g = torch.Generator().manual_seed(seed)
+    lens = [c + n for c, n in chunks]
+    widths = [-(-n // page) for n in lens]
+    num_blocks = sum(widths) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    blocks = perm[:sum(widths)]
+    kc = torch.randn(num_blocks, page, kv_heads, head_dim, generator=g).to(device, dtype)
+    vc = torch.randn(num_blocks, page, kv_heads, head_dim, generator=g).to(device, dtype)
+    T = sum(n for _, n in chunks) + 2  # two rows that are no chunk's (a decode handled elsewhere)
+    q = torch.randn(T, heads, head_dim, generator=g).to(device, dtype)
+    first = [2 + sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+    block0 = [sum(widths[:i]) for i in range(len(chunks))]
+    table = torch.tensor([first, [n for _, n in chunks], [c for c, _ in chunks], block0], device=device)
+    out = torch.full_like(q, 7.0)
+    scale = head_dim ** -0.5
+    prefill_attention(q, kc, vc, table, blocks.to(device), max(n for _, n in chunks), scale, out)
+    worst = 0.0
+    for (context, n), f, b0, w in zip(chunks, first, block0, widths):
+        mine = blocks[b0:b0 + w].to(device)
+        keys = kc[mine].reshape(-1, kv_heads, head_dim)[:context + n].float().repeat_interleave(heads // kv_heads, 1)
+        vals = vc[mine].reshape(-1, kv_heads, head_dim)[:context + n].float().repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[f:f + n].float(), keys) * scale
+        visible = torch.arange(context + n, device=device)[None, :] <= torch.arange(n, device=device)[:, None] + context
+        p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        worst = max(worst, rel(out[f:f + n], torch.einsum("hqk,khd->qhd", p, vals)))
+    return {"out": worst, "other_rows_untouched": float(not bool((out[:2] == 7.0).all()))}
+
+
 def check_fused_moe(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4, seed=3, expert_range=None,
                     tile_kinds=False):
     """Router, align and the expert GEMMs against the eager maths; ``tile_kinds``: the swapped
@@ -402,6 +438,9 @@ CHECKS = {"add_rmsnorm": check_add_rmsnorm, "silu_and_mul": check_silu_and_mul, 
                                                                          page=4, contiguous=False),
           "decode_attention_page128": lambda d, t: check_decode_attention(d, t, lens=(129, 3), heads=4, kv_heads=1,
                                                                            page=128, contiguous=False),
+          "prefill_attention": check_prefill_attention,
+          "prefill_attention_page4": lambda d, t: check_prefill_attention(d, t, chunks=((3, 9), (0, 66)), heads=4,
+                                                                           kv_heads=1, page=4),
           "fused_moe": lambda d, t: check_fused_moe(d, t, tile_kinds=True),
           "fused_moe_partial": lambda d, t: check_fused_moe(d, t, expert_range=(4, 12)),
           # 3 * 40 = 120 pairs: the three-kernel sort (more than one chunk of 64 pairs)

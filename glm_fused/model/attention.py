@@ -37,11 +37,17 @@ class AttentionMetadata:
     block_tables: Any = None      # all query_len == 1: [S, W] each sequence's blocks (padding 0)
     seq_lens: Any = None          # all query_len == 1: keys each query sees [S]
     decode_mask: Any = None       # S > 1 decodes, plain-ops path: [S, 1, 1, max_len] visible keys
-    # A step that mixes decodes with prompt chunks: its decoding sequences as a batch (their
-    # tokens' rows in T, block tables, key counts), so a decode kernel takes them in one call;
-    # ``others`` are the indices of the remaining sequences (in ``seqs``).
+    # A step that mixes decodes with prompt chunks, on a backend with a batched prompt kernel:
+    # its decoding sequences as a batch (their tokens' rows in T, block tables, key counts), so
+    # a decode kernel takes them in one call.
     mixed_decode: Any = None
-    others: list[int] = None
+    # Backends with a batched prompt kernel (``Ops.batched_prefill``): the sequences it takes
+    # (every one but the decodes of ``mixed_decode``) as ``[4, C]`` (first token, query_len,
+    # context_len, index of its first block in ``chunk_blocks``), their blocks concatenated,
+    # and the longest query_len (host int: the launch shape).
+    chunks: Any = None
+    chunk_blocks: Any = None
+    chunks_max_len: int = 0
 
     @classmethod
     def for_decode(cls, slot_mapping, block_tables, seq_lens, block_size: int) -> "AttentionMetadata":
@@ -54,10 +60,11 @@ class AttentionMetadata:
         """``like``: a tensor on the model's device (where the metadata goes)."""
         plan = attention_plan(batch, block_size)
         up = F.upload  # small host arrays: never wait for the step still running on the device
-        # A fresh prompt (no cached context) is plain causal: no mask needed.
-        masks = [None if m is None or context == 0 else up(m, like)
+        batched = F.batched_prefill(like)
+        # A fresh prompt (no cached context) is plain causal: no mask needed; nor for the batched kernel.
+        masks = [None if m is None or context == 0 or batched else up(m, like)
                  for (context, _, _), m in zip(plan.seqs, plan.masks)]
-        seq_blocks = None
+        seq_blocks = flat = None
         if plan.decode_visible is None:  # batched decode reads through the block tables instead
             # One upload, then each sequence's blocks as a slice of it.
             ends = np.cumsum([len(b) for b in plan.seq_blocks])
@@ -73,12 +80,17 @@ class AttentionMetadata:
             width = -(-int(lens.max()) // block_size)
             meta.block_tables = up(batch.block_tables[:, :width], like)
             meta.seq_lens = up(lens, like)
-        elif decoding.sum() > 1:
+        elif batched and decoding.sum() > 1:
             lens = batch.context_lens[decoding] + 1
             width = -(-int(lens.max()) // block_size)
             meta.mixed_decode = (up(batch.seq_starts[decoding], like), up(batch.block_tables[decoding, :width], like),
                                  up(lens, like))
-            meta.others = np.flatnonzero(~decoding).tolist()
+        if batched and not bool(decoding.all()):
+            take = np.flatnonzero(~decoding) if meta.mixed_decode is not None else np.arange(len(plan.seqs))
+            context, query, first = np.asarray(plan.seqs, dtype=np.int64).T
+            block0 = ends - np.array([len(b) for b in plan.seq_blocks])
+            meta.chunks = up(np.stack([first[take], query[take], context[take], block0[take]]), like)
+            meta.chunk_blocks, meta.chunks_max_len = flat, int(query[take].max())
         if plan.decode_visible is not None:
             meta.decode_mask = up(plan.decode_visible, like)[:, None, None, :]
         return meta

@@ -302,6 +302,11 @@ class Ops:
         return None
 
     # ---- what a framework offers beyond the maths (defaults: nothing) --------------------
+    def batched_prefill(self, like) -> bool:
+        """Whether ``attention`` takes a step's prompt chunks in one call from
+        ``AttentionMetadata.chunks`` (no per-sequence masks needed) for tensors like ``like``."""
+        return False
+
     def compiles_kernels(self, model) -> bool:
         """Whether the model's kernels compile on first use of each shape class (Triton): the
         runner then warms them up before serving."""

@@ -258,22 +258,23 @@ class TorchOps(Ops):
             return rope_and_store(positions, meta.slot_mapping, q, k, v, cos_cache, sin_cache, *kv_cache)
         return super().rope_and_store(positions, q, k, v, cos_cache, sin_cache, rotary_dim, meta, kv_cache)
 
+    def batched_prefill(self, like) -> bool:
+        return kernels.enabled(like)
+
     def attention(self, q, meta, kv_cache, scale):
-        if not kernels.enabled(q) or (meta.seq_lens is None and meta.mixed_decode is None):
+        if not kernels.enabled(q):
             return super().attention(q, meta, kv_cache, scale)
         from glm_fused.torch_backend.kernels.decode_attention import decode_attention
+        from glm_fused.torch_backend.kernels.prefill_attention import prefill_attention
 
         if meta.seq_lens is not None:  # decode: split-K over each sequence's blocks
             return decode_attention(q, *kv_cache, meta.block_tables, meta.seq_lens, scale)
-        # Decodes beside prompt chunks: the decodes in one kernel call, the chunks one by one
-        # (a loop over every decode here cost ~20 launches each, per layer).
-        rows, tables, lens = meta.mixed_decode
         out = torch.empty_like(q)
-        out[rows] = decode_attention(q[rows], *kv_cache, tables, lens, scale)
-        for i in meta.others:
-            _, n, start = meta.seqs[i]
-            out[start:start + n] = self.attend_seq(q, meta, kv_cache, scale, i)
-        return out
+        if meta.mixed_decode is not None:  # decodes beside prompt chunks: the decodes in one call
+            rows, tables, lens = meta.mixed_decode
+            out[rows] = decode_attention(q[rows], *kv_cache, tables, lens, scale)
+        # every prompt chunk (and a lone decode among them) in one call
+        return prefill_attention(q, *kv_cache, meta.chunks, meta.chunk_blocks, meta.chunks_max_len, scale, out)
 
     def linear_fp8(self, x, w: Fp8Weight, bias=None):
         if kernels.enabled(x):  # activations quantized per token (Triton), fp8 GEMM (torch._scaled_mm)

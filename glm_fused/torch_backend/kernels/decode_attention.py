@@ -23,19 +23,27 @@ from glm_fused.torch_backend.kernels import dot_precision, next_pow2
 
 BLOCK_N = 64
 TARGET_PROGRAMS = 264  # about two per multiprocessor of an H100/H200
+MAX_SPLITS = 64
+
+# Few compiled variants serve every step: the split count and the block table's width change
+# with the batch, so they are plain arguments, not specialised on (each new value compiled in
+# the middle of serving stalled a step for 0.5-0.9 s, docs/speed.md). Stage 2 has two builds,
+# one split or up to MAX_SPLITS (a 64-row tile where one row is used cost +20 µs at batch 64);
+# the runner's warm-up runs both. The log-sum-exp buffer is MAX_SPLITS wide whatever the split
+# count, so its strides keep one alignment.
 
 
-@triton.jit
-def _stage1(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale,
+@triton.jit(do_not_specialize=["splits", "stride_table"])
+def _stage1(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, splits,
             stride_qs, stride_qh, stride_table, stride_cblock, stride_cpos, stride_ch,
             stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
-            GROUP: tl.constexpr, GROUP_B: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+            GROUP: tl.constexpr, GROUP_B: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK: tl.constexpr, PREC: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(len_ptr + s).to(tl.int32)
-    per = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK) * BLOCK
+    per = tl.cdiv(tl.cdiv(length, splits), BLOCK) * BLOCK
     start = split * per
     end = tl.minimum(start + per, length)
 
@@ -88,13 +96,13 @@ def _stage1(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale,
              mask=gm)
 
 
-@triton.jit
-def _stage2(o_ptr, lse_ptr, out_ptr, stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
-            stride_outs, stride_outh, SPLITS: tl.constexpr, SPLITS_B: tl.constexpr, HEAD_DIM: tl.constexpr):
+@triton.jit(do_not_specialize=["splits"])
+def _stage2(o_ptr, lse_ptr, out_ptr, splits, stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
+            stride_outs, stride_outh, SPLITS_B: tl.constexpr, HEAD_DIM: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_B)
-    spm = sp < SPLITS
+    spm = sp < splits
     lse = tl.load(lse_ptr + s * stride_ls + h * stride_lh + sp, mask=spm, other=float("-inf"))
     w = tl.exp(lse - tl.max(lse, axis=0))
     w = w / tl.sum(w, axis=0)
@@ -107,7 +115,7 @@ def _stage2(o_ptr, lse_ptr, out_ptr, stride_os, stride_oh, stride_osp, stride_ls
 
 def num_splits(num_seqs: int, num_kv_heads: int) -> int:
     """Enough programs to fill the GPU, from the launch shape alone (CUDA-graph friendly)."""
-    return max(1, min(64, TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)))
+    return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -135,17 +143,17 @@ def _launch(q, k_cache, v_cache, table, stride_table, seq_lens, scale, paged, pa
     assert D == next_pow2(D), "head_dim must be a power of two"
     splits = num_splits(S, nkv)
     o = torch.empty(S, nh, splits, D, dtype=torch.float32, device=q.device)
-    lse = torch.empty(S, nh, splits, dtype=torch.float32, device=q.device)
+    lse = torch.empty(S, nh, MAX_SPLITS, dtype=torch.float32, device=q.device)
     out = torch.empty(S, nh, D, dtype=q.dtype, device=q.device)
     if S == 0:
         return out
     _stage1[(S, nkv, splits)](
-        q, k_cache, v_cache, table, seq_lens, o, lse, scale,
+        q, k_cache, v_cache, table, seq_lens, o, lse, scale, splits,
         q.stride(0), q.stride(1), stride_table, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        GROUP=group, GROUP_B=max(16, next_pow2(group)), HEAD_DIM=D, SPLITS=splits, BLOCK=BLOCK_N,
+        GROUP=group, GROUP_B=max(16, next_pow2(group)), HEAD_DIM=D, BLOCK=BLOCK_N,
         PREC=dot_precision(q.dtype), PAGED=paged, PAGE=page, num_warps=4, num_stages=2)
-    _stage2[(S, nh)](o, lse, out, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-                     out.stride(0), out.stride(1), SPLITS=splits, SPLITS_B=next_pow2(splits), HEAD_DIM=D,
+    _stage2[(S, nh)](o, lse, out, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+                     out.stride(0), out.stride(1), SPLITS_B=1 if splits == 1 else MAX_SPLITS, HEAD_DIM=D,
                      num_warps=4)
     return out

@@ -109,6 +109,10 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_
 
 
 # ---------------------------------------------------------------------------- align
+# The align kernels here and the GEMM kernels below take the step's pair and block counts as
+# plain arguments (Triton's ``do_not_specialize``): specialised, each new combination of
+# "is 1" / "a multiple of 16" among them compiled a variant in the middle of serving (0.5-1.4 s
+# each, docs/speed.md).
 @triton.jit
 def _onehot(ids_ptr, offs, N, E, E_B: tl.constexpr):
     """Expert ids of pairs ``offs`` (E past the end: no expert's column counts it) and their
@@ -130,7 +134,7 @@ def _write_blocks(pend, block_expert_ptr, sorted_ptr, N, E, max_blocks, BLOCK_M:
             tl.store(sorted_ptr + b * BLOCK_M + r, N, mask=b < max_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _count_kernel(ids_ptr, counts_ptr, N, E, CHUNK_: tl.constexpr, E_B: tl.constexpr):
     c = tl.program_id(0)
     offs = c * CHUNK_ + tl.arange(0, CHUNK_)
@@ -138,7 +142,7 @@ def _count_kernel(ids_ptr, counts_ptr, N, E, CHUNK_: tl.constexpr, E_B: tl.const
     tl.store(counts_ptr + c * E_B + tl.arange(0, E_B), tl.sum(onehot, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "n_chunks", "max_blocks"])
 def _offsets_kernel(counts_ptr, chunk_base_ptr, pstart_ptr, block_expert_ptr, sorted_ptr, N, E, n_chunks,
                     max_blocks, BLOCK_M: tl.constexpr, E_B: tl.constexpr, B_CHUNK: tl.constexpr,
                     C_TILE: tl.constexpr):
@@ -161,7 +165,7 @@ def _offsets_kernel(counts_ptr, chunk_base_ptr, pstart_ptr, block_expert_ptr, so
     _write_blocks(pend, block_expert_ptr, sorted_ptr, N, E, max_blocks, BLOCK_M, B_CHUNK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _scatter_kernel(ids_ptr, chunk_base_ptr, pstart_ptr, sorted_ptr, N, E, CHUNK_: tl.constexpr,
                     E_B: tl.constexpr):
     c = tl.program_id(0)
@@ -175,7 +179,7 @@ def _scatter_kernel(ids_ptr, chunk_base_ptr, pstart_ptr, sorted_ptr, N, E, CHUNK
     tl.store(sorted_ptr + dest, offs, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "max_blocks"])
 def _align_one_program_kernel(ids_ptr, block_expert_ptr, sorted_ptr, N, E, max_blocks, BLOCK_M: tl.constexpr,
                               E_B: tl.constexpr, CHUNK_: tl.constexpr, B_CHUNK: tl.constexpr):
     """The three kernels above in one program, for N <= CHUNK pairs (decode): one launch, not three."""
@@ -347,7 +351,7 @@ def _dot(a, b, acc, a_scale, FP8: tl.constexpr, PREC: tl.constexpr, KIND: tl.con
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "num_m"])
 def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, h_ptr, sorted_ptr, block_expert_ptr, N, K, I, num_m,
                     shared_id, stride_x, stride_we, stride_wn, stride_se, stride_h, TOP_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -387,7 +391,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, h_ptr, sorte
              mask=valid[:, None] & cm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "num_m"])
 def _down_kernel(h_ptr, hs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, y_ptr, pw_ptr, sorted_ptr, block_expert_ptr, N, K, H,
                  num_m,
                  shared_id, stride_h, stride_we, stride_wn, stride_se, stride_y,
