@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="servers take turns this many times; samples are pooled per server")
     p.add_argument("--vocab-limit", type=int, default=900,
                    help="prompt ids are drawn from 0..N-1 (ordinary tokens of any GLM vocabulary)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the random prompts (default: new ones each run, so that a server's prefix "
+                        "cache holds none of them from an earlier run)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", default=None, help="also write the results to this file")
@@ -250,6 +252,7 @@ def summarize(url: str, card: dict, results: list[dict], wall: float, concurrenc
         "peak_running": max(w["peak_running"] for w in watched),
         "peak_kv_usage": max(w["peak_kv_usage"] for w in watched),
         "preemptions": sum(w["preemptions"] for w in watched),
+        "prefix_cache_hits": sum(w["prefix_cache_hits"] for w in watched),
         "requests": len(results), "wall_s": wall,
         "requests_per_s": len(results) / wall, "output_tokens_per_s": out_tokens / wall,
         "ttft_median_ms": float(np.median(ttft)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
@@ -262,10 +265,15 @@ def summarize(url: str, card: dict, results: list[dict], wall: float, concurrenc
 def bench(urls: list[str], args) -> list[dict]:
     """Every server gets the same prompts, at each concurrency. With --rounds R, servers take
     turns R times (A B A B ...) and each one's samples are pooled, so a slow spell on a shared
-    machine hits both sides alike."""
+    machine hits both sides alike. Each concurrency and round draws new prompts: a prompt sent
+    again would be served from the prefix cache (its time to first token would measure the
+    cache, not the prefill)."""
     rng = np.random.default_rng(args.seed)
-    prompts = [rng.integers(0, args.vocab_limit, size=args.input_len).tolist()
-               for _ in range(args.num_requests + args.warmup)]
+
+    def draw(n: int) -> list[list[int]]:
+        return [rng.integers(0, args.vocab_limit, size=args.input_len).tolist() for _ in range(n)]
+
+    first_warmup = draw(args.warmup)
     cards = [asyncio.run(server_card(url, args)) for url in urls]
     out = []
     for concurrency in args.concurrency:
@@ -274,12 +282,13 @@ def bench(urls: list[str], args) -> list[dict]:
         walls = [0.0] * len(urls)
         watched: list[list[dict]] = [[] for _ in urls]
         for r in range(args.rounds):
+            prompts = draw(args.num_requests)
             for i, url in enumerate(urls):
                 print(f"round {r + 1}/{args.rounds}: {url}: {args.num_requests} requests, concurrency "
                       f"{concurrency}, {args.input_len} in / {args.output_len} out tokens",
                       file=sys.stderr, flush=True)
-                warmup = prompts[:args.warmup] if r == 0 and concurrency == args.concurrency[0] else []
-                results, wall, watch = asyncio.run(run_round(url, run_args, warmup, prompts[args.warmup:]))
+                warmup = first_warmup if r == 0 and concurrency == args.concurrency[0] else []
+                results, wall, watch = asyncio.run(run_round(url, run_args, warmup, prompts))
                 samples[i] += results
                 walls[i] += wall
                 watched[i].append(watch)
@@ -301,7 +310,7 @@ def format_table(results: list[dict], labels: list[str]) -> str:
             ("TPOT median (ms)", "tpot_median_ms", "{:.2f}"), ("TPOT p99 (ms)", "tpot_p99_ms", "{:.2f}"),
             ("TPOT bound (ms)", "tpot_bound_ms", "{:.2f}"), ("TPOT / bound", "tpot_over_bound", "{:.3f}"),
             ("most running", "peak_running", "{:d}"), ("peak KV usage", "peak_kv_usage", "{:.1%}"),
-            ("preemptions", "preemptions", "{:d}")]
+            ("preemptions", "preemptions", "{:d}"), ("prefix-cache hits", "prefix_cache_hits", "{:d}")]
     width = max(18, *(len(lb) + 2 for lb in labels))
     lines = ["".ljust(18) + "".join(lb.rjust(width) for lb in labels)]
     for name, key, fmt in rows:
@@ -334,6 +343,8 @@ def main(argv=None) -> int:
         if not args.concurrency or min(args.concurrency) < 1:
             raise UserError("--concurrency: give positive numbers (1 or 1,8,64)")
         urls = [url.rstrip("/") for url in args.url]
+        if args.seed is None:  # drawn here, so that the JSON report says which prompts were sent
+            args.seed = int(np.random.SeedSequence().entropy % 2**32)
         try:
             if args.prefix_cache_ttft:
                 rng = np.random.default_rng(args.seed)

@@ -679,6 +679,13 @@ def test_bench_serve_paged_cache_checks(fake_server, tmp_path, capsys):
     assert json.loads(out.read_text())["results"][0]["peak_running"] == 2
     assert "most running" in capsys.readouterr().out
     assert bench_serve.main(flags + ["--output-len", "4", "--min-running", "3"]) == 1
+    # Every round and concurrency sends new prompts: none is served from the prefix cache
+    # (prompts of 40 tokens hold two full blocks of 16 that a repeat would find cached).
+    assert bench_serve.main(["--url", url, "--num-requests", "4", "--concurrency", "2,4", "--rounds", "2",
+                             "--input-len", "40", "--output-len", "2", "--warmup", "1", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["requests"] for r in results] == [8, 8] and [r["prefix_cache_hits"] for r in results] == [0, 0]
+    assert "prefix-cache hits" in capsys.readouterr().out
 
 
 # ---- the torch backend behind the same server ------------------------------------------------
