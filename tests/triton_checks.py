@@ -453,9 +453,11 @@ def run_all(device: str, dtype: torch.dtype) -> dict:
     return {name: fn(device, dtype) for name, fn in CHECKS.items()}
 
 
-def check_model(device, dtype, qk_norm=False, seed=4):
-    """The tiny model with the kernels on and off: prefill of two prompts, then decode steps
-    (one and two sequences) and a chunked-prefill step, through one KV cache each."""
+def check_model(device, dtype, qk_norm=False, seed=4, sdpa_fresh_min=None):
+    """The tiny model with the kernels on and off: prefill of three prompts, then decode steps
+    (one and two sequences) and a chunked-prefill step, through one KV cache each.
+    ``sdpa_fresh_min``: fresh prompts from this length take SDPA beside the batched prompt
+    kernel (``TorchOps.SDPA_FRESH_MIN``; 5: the 5- and 9-token prompts SDPA, the 4 the kernel)."""
     import dataclasses
     from pathlib import Path
 
@@ -481,8 +483,12 @@ def check_model(device, dtype, qk_norm=False, seed=4):
              # (the decodes of a mixed step take the decode kernel together)
              ForwardBatch([11, 3, 4, 5, 2], [7, 10, 11, 12, 5], [1, 3, 1], [7, 10, 5], [0, 1, 2, 3, 4], [a, b, c])]
     logits = {}
+    from glm_fused.torch_backend.ops import TorchOps
+
+    fresh_min = TorchOps.SDPA_FRESH_MIN
     for on in (False, True):
         previous = kernels.set_enabled(on)
+        TorchOps.SDPA_FRESH_MIN = sdpa_fresh_min or fresh_min
         try:
             caches = model.make_kv_caches(12, 4)
             outs = []
@@ -494,6 +500,7 @@ def check_model(device, dtype, qk_norm=False, seed=4):
             logits[on] = outs
         finally:
             kernels.set_enabled(previous)
+            TorchOps.SDPA_FRESH_MIN = fresh_min
     return {f"step{i}": rel(a, b) for i, (a, b) in enumerate(zip(logits[True], logits[False]))}
 
 
@@ -509,7 +516,7 @@ def _gemv_tile(kind, block_m, block_n):
     return GemvConfig(kind, block_m, block_n, 32, 4, 2)
 
 
-CHECKS["model"] = check_model
+CHECKS["model"] = lambda d, t: check_model(d, t, sdpa_fresh_min=5)
 CHECKS["model_qk_norm"] = lambda d, t: check_model(d, t, qk_norm=True)
 CHECKS.update({
     "fp8_quant": check_fp8_quant, "linear_fp8": check_linear_fp8, "moe_fp8": check_moe_fp8,

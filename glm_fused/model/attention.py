@@ -42,12 +42,14 @@ class AttentionMetadata:
     # a decode kernel takes them in one call.
     mixed_decode: Any = None
     # Backends with a batched prompt kernel (``Ops.batched_prefill``): the sequences it takes
-    # (every one but the decodes of ``mixed_decode``) as ``[4, C]`` (first token, query_len,
-    # context_len, index of its first block in ``chunk_blocks``), their blocks concatenated,
-    # and the longest query_len (host int: the launch shape).
+    # (every one but the decodes of ``mixed_decode`` and the long fresh prompts) as ``[4, C]``
+    # (first token, query_len, context_len, index of its first block in ``chunk_blocks``),
+    # their blocks concatenated, and the longest query_len (host int: the launch shape);
+    # ``long_fresh``: the indices (in ``seqs``) of the fresh prompts left to ``attend_seq``.
     chunks: Any = None
     chunk_blocks: Any = None
     chunks_max_len: int = 0
+    long_fresh: list[int] = ()
 
     @classmethod
     def for_decode(cls, slot_mapping, block_tables, seq_lens, block_size: int) -> "AttentionMetadata":
@@ -60,7 +62,8 @@ class AttentionMetadata:
         """``like``: a tensor on the model's device (where the metadata goes)."""
         plan = attention_plan(batch, block_size)
         up = F.upload  # small host arrays: never wait for the step still running on the device
-        batched = F.batched_prefill(like)
+        fresh_limit = F.batched_prefill(like)
+        batched = fresh_limit is not None
         # A fresh prompt (no cached context) is plain causal: no mask needed; nor for the batched kernel.
         masks = [None if m is None or context == 0 or batched else up(m, like)
                  for (context, _, _), m in zip(plan.seqs, plan.masks)]
@@ -86,11 +89,14 @@ class AttentionMetadata:
             meta.mixed_decode = (up(batch.seq_starts[decoding], like), up(batch.block_tables[decoding, :width], like),
                                  up(lens, like))
         if batched and not bool(decoding.all()):
-            take = np.flatnonzero(~decoding) if meta.mixed_decode is not None else np.arange(len(plan.seqs))
             context, query, first = np.asarray(plan.seqs, dtype=np.int64).T
-            block0 = ends - np.array([len(b) for b in plan.seq_blocks])
-            meta.chunks = up(np.stack([first[take], query[take], context[take], block0[take]]), like)
-            meta.chunk_blocks, meta.chunks_max_len = flat, int(query[take].max())
+            long_fresh = (context == 0) & (query >= fresh_limit)
+            meta.long_fresh = np.flatnonzero(long_fresh).tolist()
+            take = np.flatnonzero(~long_fresh & ~(decoding if meta.mixed_decode is not None else False))
+            if len(take):
+                block0 = ends - np.array([len(b) for b in plan.seq_blocks])
+                meta.chunks = up(np.stack([first[take], query[take], context[take], block0[take]]), like)
+                meta.chunk_blocks, meta.chunks_max_len = flat, int(query[take].max())
         if plan.decode_visible is not None:
             meta.decode_mask = up(plan.decode_visible, like)[:, None, None, :]
         return meta

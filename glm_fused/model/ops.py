@@ -302,10 +302,11 @@ class Ops:
         return None
 
     # ---- what a framework offers beyond the maths (defaults: nothing) --------------------
-    def batched_prefill(self, like) -> bool:
-        """Whether ``attention`` takes a step's prompt chunks in one call from
-        ``AttentionMetadata.chunks`` (no per-sequence masks needed) for tensors like ``like``."""
-        return False
+    def batched_prefill(self, like) -> int | None:
+        """None; or, where ``attention`` takes a step's prompt chunks in one call from
+        ``AttentionMetadata.chunks`` for tensors like ``like`` (no per-sequence masks needed),
+        the length from which a fresh prompt (no context) is left to ``attend_seq`` instead."""
+        return None
 
     def compiles_kernels(self, model) -> bool:
         """Whether the model's kernels compile on first use of each shape class (Triton): the

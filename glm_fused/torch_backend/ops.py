@@ -258,8 +258,14 @@ class TorchOps(Ops):
             return rope_and_store(positions, meta.slot_mapping, q, k, v, cos_cache, sin_cache, *kv_cache)
         return super().rope_and_store(positions, q, k, v, cos_cache, sin_cache, rotary_dim, meta, kv_cache)
 
-    def batched_prefill(self, like) -> bool:
-        return kernels.enabled(like)
+    # Fresh prompts of at least this many tokens go to torch's SDPA (FlashAttention, one call
+    # each). Per layer on an H200 (96 / 8 heads x 128, bf16, one fresh prompt) the batched
+    # kernel took 43 / 52 / 157 / 509 µs at 128 / 512 / 1,024 / 2,048 tokens, gather + SDPA
+    # 87 / 83 / 82 / 219 µs (docs/speed.md).
+    SDPA_FRESH_MIN = 1024
+
+    def batched_prefill(self, like) -> int | None:
+        return self.SDPA_FRESH_MIN if kernels.enabled(like) else None
 
     def attention(self, q, meta, kv_cache, scale):
         if not kernels.enabled(q):
@@ -273,8 +279,12 @@ class TorchOps(Ops):
         if meta.mixed_decode is not None:  # decodes beside prompt chunks: the decodes in one call
             rows, tables, lens = meta.mixed_decode
             out[rows] = decode_attention(q[rows], *kv_cache, tables, lens, scale)
-        # every prompt chunk (and a lone decode among them) in one call
-        return prefill_attention(q, *kv_cache, meta.chunks, meta.chunk_blocks, meta.chunks_max_len, scale, out)
+        for i in meta.long_fresh:  # long fresh prompts: SDPA, one call each
+            _, n, start = meta.seqs[i]
+            out[start:start + n] = self.attend_seq(q, meta, kv_cache, scale, i)
+        if meta.chunks is not None:  # every other prompt chunk (and a lone decode) in one call
+            prefill_attention(q, *kv_cache, meta.chunks, meta.chunk_blocks, meta.chunks_max_len, scale, out)
+        return out
 
     def linear_fp8(self, x, w: Fp8Weight, bias=None):
         if kernels.enabled(x):  # activations quantized per token (Triton), fp8 GEMM (torch._scaled_mm)
