@@ -9,8 +9,9 @@ position.
 
 Why a kernel of our own: the per-sequence path (gather the keys, then torch's SDPA) costs
 ~8 launches per sequence per layer, so a step of 58 short prompts spent 160 ms launching, and
-SDPA's backends prepared each new (query, key) length pair on first use, which made first
-traffic 3x slower (docs/speed.md). Here the sequence count, lengths and block lists are plain
+first traffic ran 3x slower than the same shapes again with no Triton compile involved (most
+likely SDPA's masked path meeting each new (query, key) length pair; gone with this kernel,
+docs/speed.md). Here the sequence count, lengths and block lists are plain
 data: one compiled build per dtype and page size serves every step. It is simpler than
 FlashAttention and slower on long fresh prompts, which go to torch's SDPA instead
 (``TorchOps.SDPA_FRESH_MIN``).
