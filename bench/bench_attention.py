@@ -8,7 +8,12 @@ over enough separate caches ("layers") that they do not fit in L2 together, as i
 where 46 layers' weights pass between two reads of one layer's cache. Prints microseconds per
 call and the paged / contiguous ratio (the target: at most 1.1x).
 
+``--prompt-lens``: also one fresh prompt of each length, per layer, through the batched prompt
+kernel (``kernels/prefill_attention.py``) and through the per-sequence path it replaces for
+short prompts (gather the blocks, then torch's SDPA), timed eagerly as prompt steps run.
+
     python scripts/bench_attention.py                       # GPU: batch 1/8/32/64 x context 512..4096
+    python scripts/bench_attention.py --prompt-lens 128,512,1024,2048,4096
     python scripts/bench_attention.py --device cpu --dry-run   # Triton's CPU interpreter, tiny sizes
 """
 
@@ -39,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--iters", type=int, default=50, help="timed replays per case")
+    p.add_argument("--prompt-lens", default=None,
+                   help="also time one fresh prompt of each length: batched kernel vs gather + SDPA (block 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results to this file")
     return p
@@ -116,6 +123,54 @@ def timed(torch, fn, device, args) -> float:
     return start.elapsed_time(end) / args.iters * 1e3
 
 
+def prompt_case(torch, n: int, args, device, dtype, page: int = 16) -> dict:
+    """One fresh prompt of n tokens: the batched kernel and gather + SDPA on the same cache."""
+    import torch.nn.functional as TF
+
+    from glm_fused.torch_backend.kernels.prefill_attention import prefill_attention
+
+    g = torch.Generator(device="cpu").manual_seed(args.seed + n)
+    H, KV, D = args.heads, args.kv_heads, args.head_dim
+    nb = -(-n // page)
+    kc = torch.randn(nb + 8, page, KV, D, generator=g).to(device, dtype)
+    vc = torch.randn(nb + 8, page, KV, D, generator=g).to(device, dtype)
+    blocks = torch.randperm(nb + 8, generator=g)[:nb].to(device)
+    q = torch.randn(n, H, D, generator=g).to(device, dtype)
+    chunks = torch.tensor([[0], [n], [0], [0]], device=device)
+    out = torch.empty_like(q)
+    scale = D ** -0.5
+
+    def kernel():
+        return prefill_attention(q, kc, vc, chunks, blocks, n, scale, out)
+
+    def sdpa():  # the per-sequence path (TorchOps.attend_seq)
+        k, v = (c[blocks].reshape(-1, KV, D)[:n].transpose(0, 1)[None] for c in (kc, vc))
+        return TF.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale,
+                                               enable_gqa=H != KV)[0].transpose(0, 1)
+
+    a, b = kernel().float(), sdpa().float()
+    return {"prompt_len": n, "kernel_us": eager_timed(torch, kernel, device, args),
+            "sdpa_us": eager_timed(torch, sdpa, device, args),
+            "max_rel_diff": float((a - b).abs().max() / b.abs().max())}
+
+
+def eager_timed(torch, fn, device, args) -> float:
+    """Microseconds per call, launched eagerly (as prompt steps run)."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    for _ in range(2):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / args.iters * 1e3
+
+
 def format_table(rows: list[dict], pages: list[int]) -> str:
     head = f"{'batch':>5} {'context':>7} {'contiguous us':>14}" + "".join(
         f"{f'paged {p} us':>14}{'ratio':>7}" for p in pages)
@@ -136,12 +191,13 @@ def main(argv=None) -> int:
     try:
         batches, contexts = _ints(args.batches, "--batches"), _ints(args.contexts, "--contexts")
         pages = _ints(args.block_sizes, "--block-sizes")
+        prompt_lens = _ints(args.prompt_lens, "--prompt-lens") if args.prompt_lens else []
         if any(p & (p - 1) for p in pages):
             raise UserError(f"--block-sizes {args.block_sizes}: powers of two")
         if args.dry_run:
             if args.device != "cpu":
                 raise UserError("--dry-run: the tiny sizes are for --device cpu")
-            batches, contexts, pages = [2], [100], [16, 64]
+            batches, contexts, pages, prompt_lens = [2], [100], [16, 64], [40]
             args.heads, args.kv_heads, args.head_dim, args.dtype = 8, 2, 32, "float32"
         if args.device == "cpu":
             os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
@@ -168,9 +224,14 @@ def main(argv=None) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print(format_table(rows, pages))
+    prompts = [prompt_case(torch, n, args, device, dtype) for n in prompt_lens]
+    for r in prompts:
+        print(f"fresh prompt {r['prompt_len']:>6} tokens: batched kernel {r['kernel_us']:9.1f} us, gather + SDPA "
+              f"{r['sdpa_us']:9.1f} us, kernel / SDPA {r['kernel_us'] / r['sdpa_us']:.2f}x, "
+              f"largest output difference {r['max_rel_diff']:.1e}")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     print(f"device: {name}; {args.heads} q heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, {args.dtype}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "args": vars(args), "rows": rows}, f, indent=2)
+            json.dump({"device": name, "args": vars(args), "rows": rows, "prompts": prompts}, f, indent=2)
     return 0

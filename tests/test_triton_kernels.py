@@ -307,13 +307,17 @@ def test_no_kernel_compiles_after_start_up(cuda, monkeypatch, tmp_path, quantiza
 @pytest.mark.timeout(300)
 def test_bench_attention_dry_run(tmp_path):
     """scripts/bench_attention.py end to end under the interpreter (tiny sizes): both layouts
-    agree, every block size gets a ratio."""
+    agree, every block size gets a ratio; a fresh prompt through both prompt paths agrees."""
     pytest.importorskip("triton")
     out = tmp_path / "attention.json"
     proc = subprocess.run([sys.executable, str(HERE.parent / "scripts" / "bench_attention.py"), "--device", "cpu",
                            "--dry-run", "--json", str(out)], capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "paged / contiguous worst" in proc.stdout
-    rows = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
     assert rows and all(r[f"page{p}_max_rel_diff"] <= FP32_TOL and r[f"page{p}_ratio"] > 0
                         for r in rows for p in (16, 64))
+    # --prompt-lens: the batched prompt kernel and gather + SDPA agree on a fresh prompt
+    assert [r["prompt_len"] for r in report["prompts"]] == [40]
+    assert report["prompts"][0]["max_rel_diff"] <= FP32_TOL and "gather + SDPA" in proc.stdout
