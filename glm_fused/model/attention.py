@@ -92,7 +92,8 @@ class AttentionMetadata:
             context, query, first = np.asarray(plan.seqs, dtype=np.int64).T
             long_fresh = (context == 0) & (query >= fresh_limit)
             meta.long_fresh = np.flatnonzero(long_fresh).tolist()
-            take = np.flatnonzero(~long_fresh & ~(decoding if meta.mixed_decode is not None else False))
+            elsewhere = long_fresh | decoding if meta.mixed_decode is not None else long_fresh
+            take = np.flatnonzero(~elsewhere)
             if len(take):
                 block0 = ends - np.array([len(b) for b in plan.seq_blocks])
                 meta.chunks = up(np.stack([first[take], query[take], context[take], block0[take]]), like)
