@@ -148,27 +148,16 @@ def prompt_case(torch, n: int, args, device, dtype, page: int = 16) -> dict:
         return TF.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale,
                                                enable_gqa=H != KV)[0].transpose(0, 1)
 
+    from bench.common import time_ms
+
     a, b = kernel().float(), sdpa().float()
-    return {"prompt_len": n, "kernel_us": eager_timed(torch, kernel, device, args),
-            "sdpa_us": eager_timed(torch, sdpa, device, args),
+    cuda = device.type == "cuda"  # launched eagerly, as prompt steps run; on CPU one call
+
+    def us(fn):
+        return time_ms(fn, device, 2 if cuda else 0, args.iters if cuda else 1) * 1e3
+
+    return {"prompt_len": n, "kernel_us": us(kernel), "sdpa_us": us(sdpa),
             "max_rel_diff": float((a - b).abs().max() / b.abs().max())}
-
-
-def eager_timed(torch, fn, device, args) -> float:
-    """Microseconds per call, launched eagerly (as prompt steps run)."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-    for _ in range(2):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize(device)
-    return start.elapsed_time(end) / args.iters * 1e3
 
 
 def format_table(rows: list[dict], pages: list[int]) -> str:

@@ -70,7 +70,8 @@ class AttentionMetadata:
         seq_blocks = flat = None
         if plan.decode_visible is None:  # batched decode reads through the block tables instead
             # One upload, then each sequence's blocks as a slice of it.
-            ends = np.cumsum([len(b) for b in plan.seq_blocks])
+            counts = np.array([len(b) for b in plan.seq_blocks])
+            ends = np.cumsum(counts)
             flat = up(np.concatenate(plan.seq_blocks), like)
             seq_blocks = [flat[end - len(b):end] for end, b in zip(ends.tolist(), plan.seq_blocks)]
         meta = cls(up(plan.slot_mapping, like), block_size,
@@ -95,7 +96,7 @@ class AttentionMetadata:
             elsewhere = long_fresh | decoding if meta.mixed_decode is not None else long_fresh
             take = np.flatnonzero(~elsewhere)
             if len(take):
-                block0 = ends - np.array([len(b) for b in plan.seq_blocks])
+                block0 = ends - counts
                 meta.chunks = up(np.stack([first[take], query[take], context[take], block0[take]]), like)
                 meta.chunk_blocks, meta.chunks_max_len = flat, int(query[take].max())
         if plan.decode_visible is not None:
