@@ -104,6 +104,31 @@ def linear_fp8_scaled_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
 MMA, SWAP, FMA = 0, 1, 2
 
 
+@triton.jit
+def zeros_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr):
+    """The fp32 accumulator: ``[BLOCK_M, BLOCK_N]``; transposed for SWAP; for FMA the products
+    ``[BLOCK_N, BLOCK_K]``, summed over K once after the loop (``finish_acc``)."""
+    if KIND == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    elif KIND == 2:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    return acc
+
+
+@triton.jit
+def finish_acc(acc, KIND: tl.constexpr):
+    """The accumulator as ``[BLOCK_M, BLOCK_N]``."""
+    if KIND == 1:
+        out = tl.trans(acc)
+    elif KIND == 2:
+        out = tl.sum(acc, axis=1)[None, :]
+    else:
+        out = acc
+    return out
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     kind: int
@@ -134,12 +159,7 @@ def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_x, 
     kk = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :]  # [BLOCK_N, BLOCK_K], as stored
-    if KIND == 0:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    elif KIND == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:  # BLOCK_M == 1: products summed over K once, after the loop
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc = zeros_acc(BLOCK_M, BLOCK_N, BLOCK_K, KIND)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=rm[:, None], other=0.0)
@@ -156,13 +176,7 @@ def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_x, 
             acc += w.to(tl.float32) * x.to(tl.float32)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if KIND == 0:
-        y = acc
-    elif KIND == 1:
-        y = tl.trans(acc)
-    else:
-        y = tl.sum(acc, axis=1)[None, :]
-    y = y * tl.load(s_ptr + cols, mask=cm, other=0.0)[None, :]
+    y = finish_acc(acc, KIND) * tl.load(s_ptr + cols, mask=cm, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),

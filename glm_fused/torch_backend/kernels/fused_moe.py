@@ -43,7 +43,7 @@ import triton.language as tl
 
 from glm_fused.torch_backend.kernels import dot_precision, next_pow2
 from glm_fused.torch_backend.kernels.fp8 import FMA, MMA, SWAP  # noqa: F401  (the tile kinds, named here too)
-from glm_fused.torch_backend.kernels.fp8 import per_token_quant, to_fp8, token_scale
+from glm_fused.torch_backend.kernels.fp8 import finish_acc, per_token_quant, to_fp8, token_scale, zeros_acc
 
 CHUNK = 64  # pairs per program in the align kernels
 # fp8 modes of the GEMM kernels (constexpr FP8; the module docstring says when each runs)
@@ -306,31 +306,6 @@ def _load_weight_tile(ptrs, km, cm, KIND: tl.constexpr):
 
 
 @triton.jit
-def _zeros_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KIND: tl.constexpr):
-    """The fp32 accumulator: ``[BLOCK_M, BLOCK_N]``; transposed for SWAP; for FMA the products
-    ``[BLOCK_N, BLOCK_K]``, summed over K once after the loop (``_finish_acc``)."""
-    if KIND == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    elif KIND == 2:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    return acc
-
-
-@triton.jit
-def _finish_acc(acc, KIND: tl.constexpr):
-    """The accumulator as ``[BLOCK_M, BLOCK_N]``."""
-    if KIND == 1:
-        out = tl.trans(acc)
-    elif KIND == 2:
-        out = tl.sum(acc, axis=1)[None, :]
-    else:
-        out = acc
-    return out
-
-
-@triton.jit
 def _dot(a, b, acc, a_scale, FP8: tl.constexpr, PREC: tl.constexpr, KIND: tl.constexpr):
     """``acc + a @ b``; fp8: ``a`` (quantized here with its row scales, or given in e4m3) times
     e4m3 ``b``, or (WEIGHT_ONLY) ``a`` times ``b`` widened to ``a``'s dtype (the scales are
@@ -369,8 +344,8 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, h_ptr, sorte
     g_ptrs = _weight_tile(w_base, cols, kk, stride_wn, KIND)
     u_ptrs = g_ptrs + I * stride_wn
     a_scale = _row_scales(a_ptrs, xs_ptr, tok, valid, K, FP8, BLOCK_M, BLOCK_K)  # fp8: per token
-    acc_g = _zeros_acc(BLOCK_M, BLOCK_N, BLOCK_K, KIND)
-    acc_u = _zeros_acc(BLOCK_M, BLOCK_N, BLOCK_K, KIND)
+    acc_g = zeros_acc(BLOCK_M, BLOCK_N, BLOCK_K, KIND)
+    acc_u = zeros_acc(BLOCK_M, BLOCK_N, BLOCK_K, KIND)
     for k0 in range(0, K, BLOCK_K):
         km = kk < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
@@ -381,7 +356,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, h_ptr, sorte
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    acc_g, acc_u = _finish_acc(acc_g, KIND), _finish_acc(acc_u, KIND)
+    acc_g, acc_u = finish_acc(acc_g, KIND), finish_acc(acc_u, KIND)
     if FP8 != 0:  # the row scales of this expert's gate and up rows
         s_base = _expert_weights(ws_ptr, sh_s_ptr, e, shared_id, stride_se)
         acc_g = acc_g * a_scale[:, None] * tl.load(s_base + cols, mask=cm, other=0.0)[None, :]
@@ -409,7 +384,7 @@ def _down_kernel(h_ptr, hs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, y_ptr, pw_ptr, 
     w_base = _expert_weights(w_ptr, sh_ptr, e, shared_id, stride_we)
     b_ptrs = _weight_tile(w_base, cols, kk, stride_wn, KIND)
     a_scale = _row_scales(a_ptrs, hs_ptr, rows, valid, K, FP8, BLOCK_M, BLOCK_K)  # fp8: per pair
-    acc = _zeros_acc(BLOCK_M, BLOCK_N, BLOCK_K, KIND)
+    acc = zeros_acc(BLOCK_M, BLOCK_N, BLOCK_K, KIND)
     for k0 in range(0, K, BLOCK_K):
         km = kk < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
@@ -417,7 +392,7 @@ def _down_kernel(h_ptr, hs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, y_ptr, pw_ptr, 
         acc = _dot(a, b, acc, a_scale, FP8, PREC, KIND)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    acc = _finish_acc(acc, KIND)
+    acc = finish_acc(acc, KIND)
     if FP8 != 0:
         s_base = _expert_weights(ws_ptr, sh_s_ptr, e, shared_id, stride_se)
         acc = acc * a_scale[:, None] * tl.load(s_base + cols, mask=cm, other=0.0)[None, :]
