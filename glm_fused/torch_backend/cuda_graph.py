@@ -20,7 +20,8 @@ of its tokens becomes a row of its own (``ForwardBatch.as_token_rows``), at its 
 its sequence's block table, with position + 1 keys - the causal mask, since every row's key is
 written before any row attends.
 Eagerly, a lone 32-token prompt waited 24 ms for its first token on a 20-layer model whose
-decode step takes 3.9 ms (an H200): the step was mostly launches; replayed, 11.6 ms. The rows
+decode step takes 3.9 ms (an H200): the step was mostly launches; replayed, 15.4 ms (fresh
+prompts, docs/speed.md). The rows
 re-read their sequence's keys once each, so a step qualifies only while the keys its chunks
 re-read, sum of query_len * (context + query_len), stay within PROMPT_KEY_READS (about what a
 full decode batch at 2,048 tokens reads; the keys of one sequence sit in L2 for the rows after
