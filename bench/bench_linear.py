@@ -7,8 +7,9 @@ the memory bandwidth; the floor here is (weight + scale + activation + output by
 copy bandwidth measured in the same run. Each variant runs COPIES different weight tensors in
 turn (their bytes well beyond the 50 MB L2, as a model's layers are) inside one CUDA graph,
 so the figure is a served decode step's, without launch gaps. Prints ms per call, the ratio to
-the floor, and the fastest weight-only configuration per row count, ready for
-``GEMV_CONFIGS`` in ``glm_fused/torch_backend/kernels/fp8.py``; and from how many rows
+the floor, the fastest weight-only configuration per shape and per row count, ready for
+``GEMV_CONFIGS`` (keyed by rows and K) in ``glm_fused/torch_backend/kernels/fp8.py``, and what
+that table picks now ("table"); and from how many rows
 ``_scaled_mm`` wins (``WEIGHT_ONLY_MAX_ROWS``).
 
 ``python scripts/bench_linear.py [--rows 1,4,8,16,32,64] [--json OUT]``
@@ -88,6 +89,8 @@ def run(args) -> dict:
 
             measure("scaled_mm", lambda i: lambda: fp8.linear_fp8_scaled_mm(x, ws[i].codes, ws[i].scale))
             measure("bf16 matmul", lambda i: lambda: torch.nn.functional.linear(x, bf16[i]), bytes_per_weight=2)
+            if M <= fp8.WEIGHT_ONLY_MAX_ROWS:  # what GEMV_CONFIGS picks for this shape
+                measure("table", lambda i: lambda: fp8.linear_fp8_weight_only(x, ws[i].codes, ws[i].scale))
             for cand in CANDIDATES:
                 if cand[0] == fp8.FMA and M > 1:  # one row per program: the weights read M times
                     continue
@@ -104,8 +107,8 @@ def run(args) -> dict:
             sm, mm = byname["scaled_mm"], byname["bf16 matmul"]
             print(f"{name:14} M={M:3}  floor {floor_ms * 1e3:6.1f} us  scaled_mm {sm.get('ms', nan) * 1e3:6.1f} us "
                   f"({sm.get('x_floor', nan):.2f}x)  bf16 {mm.get('ms', nan) * 1e3:6.1f} us  weight-only best "
-                  f"{best.get('ms', nan) * 1e3:6.1f} us ({best.get('x_floor', nan):.2f}x) {best.get('variant')}",
-                  flush=True)
+                  f"{best.get('ms', nan) * 1e3:6.1f} us ({best.get('x_floor', nan):.2f}x) {best.get('variant')}; "
+                  f"table {byname.get('table', {}).get('x_floor', nan):.2f}x", flush=True)
     # the one configuration per row count that is best over the four shapes (sum of ratios)
     print("\nrows  best weight-only config over all shapes (mean x floor)  (scaled_mm's)")
     for M in args.rows:

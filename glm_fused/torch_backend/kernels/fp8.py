@@ -140,12 +140,15 @@ class GemvConfig:
 
 
 WEIGHT_ONLY_MAX_ROWS = 16  # up to this many rows the weight-only kernel (see the module docstring)
-# Keyed by the most rows; chosen on an H200 with scripts/bench_linear.py at GLM-4.5-Air's shapes.
+# Keyed by the most rows, then the most K (None: any); chosen on an H200 with
+# scripts/bench_linear.py at GLM-4.5-Air's shapes (one row: 512-wide K steps won at K 4096,
+# qkv and the dense gate_up, 1024-wide at K 10944 and 12288).
 GEMV_CONFIGS = [
-    (1, GemvConfig(FMA, 1, 8, 1024, 4, 3)),
-    (4, GemvConfig(MMA, 16, 32, 256, 4, 4)),
-    (8, GemvConfig(MMA, 16, 32, 256, 4, 4)),
-    (16, GemvConfig(MMA, 16, 32, 512, 4, 3)),
+    ((1, 4096), GemvConfig(FMA, 1, 8, 512, 4, 3)),
+    ((1, None), GemvConfig(FMA, 1, 8, 1024, 4, 3)),
+    ((4, None), GemvConfig(MMA, 16, 32, 256, 4, 4)),
+    ((8, None), GemvConfig(MMA, 16, 32, 256, 4, 4)),
+    ((16, None), GemvConfig(MMA, 16, 32, 512, 4, 3)),
 ]
 
 
@@ -183,9 +186,9 @@ def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_x, 
              mask=rm[:, None] & cm[None, :])
 
 
-def pick_gemv(rows: int) -> GemvConfig:
-    for bound, cfg in GEMV_CONFIGS:
-        if rows <= bound:
+def pick_gemv(rows: int, K: int) -> GemvConfig:
+    for (most_rows, most_k), cfg in GEMV_CONFIGS:
+        if rows <= most_rows and (most_k is None or K <= most_k):
             return cfg
     return GEMV_CONFIGS[-1][1]
 
@@ -199,7 +202,7 @@ def linear_fp8_weight_only(x: torch.Tensor, codes: torch.Tensor, scale: torch.Te
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    cfg = cfg or pick_gemv(M)
+    cfg = cfg or pick_gemv(M, K)
     assert cfg.kind != FMA or cfg.block_m == 1, "an FMA tile holds one activation row"
     x = x if x.stride(-1) == 1 else x.contiguous()
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n))
