@@ -184,7 +184,8 @@ def check_fused_moe(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4
                     tile_kinds=False):
     """Router, align and the expert GEMMs against the eager maths; ``tile_kinds``: the swapped
     and FMA tiles too (one size is enough: they change how a tile multiplies, not the sort)."""
-    from glm_fused.torch_backend.kernels.fused_moe import align, fused_experts, router_topk
+    from glm_fused.torch_backend.kernels.fused_moe import (ROUTER_GEMV_MAX_TOKENS, align, fused_experts,
+                                                           route_tokens, router_logits, router_topk)
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, hidden, generator=g).to(device, dtype)
@@ -194,6 +195,13 @@ def check_fused_moe(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4
     bias = (0.2 * torch.rand(experts, generator=g)).to(device)
     shared = torch.randn(T, hidden, generator=g).to(device, dtype)
     res = {}
+    # router logits: the eager TopKRouter's fp32 product, here also over a width that leaves a
+    # partial K tile and with strided rows
+    w_router = torch.randn(experts, hidden, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    xr = x[:ROUTER_GEMV_MAX_TOKENS]
+    res["router_logits"] = rel(router_logits(xr, w_router), xr.float() @ w_router.t())
+    res["router_logits_partial_k"] = rel(router_logits(xr[:, :hidden - 5], w_router[:, :hidden - 5], (4, 32, 4)),
+                                         xr[:, :hidden - 5].float() @ w_router[:, :hidden - 5].t())
     # router: the eager TopKRouter's maths (no expert groups)
     weights, ids = router_topk(logits, bias, top_k, True, 2.5)
     scores = logits.sigmoid()
@@ -239,6 +247,13 @@ def check_fused_moe(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4
     res["router_shared_column_bad"] = float(not (bool((ids2[:, -1] == experts).all())
                                                  and bool((w2[:, -1] == 1).all())
                                                  and torch.equal(ids2[:, :-1], ids)))
+    # logits and choice in one launch (decode sizes), at the table's tile and at 4 experts a program
+    ref_w, ref_ids = router_topk(xr.float() @ w_router.t(), bias, top_k, True, 2.5, append_shared=True)
+    for tile in (None, (4, 32, 4)):
+        w3, ids3 = route_tokens(xr, w_router, bias, top_k, True, 2.5, append_shared=True, tile=tile)
+        key = "table" if tile is None else "4_experts"
+        res[f"route_tokens_ids_differ_{key}"] = float(not torch.equal(ids3, ref_ids))
+        res[f"route_tokens_weights_{key}"] = rel(w3, ref_w)
     out = fused_experts(x, wg[first:last], wd[first:last], w2, ids2, shared_weights=(sh_gu, sh_dn),
                         expert_range=expert_range)
     res["experts_shared_folded"] = rel(out, ref)
@@ -280,10 +295,10 @@ def emulated_ops(moe_mode=None):
             y = self.linear(a, self.dequantize_fp8(w), None if bias is None else self.float32(bias))
             return y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
-        def moe(self, x, router_logits, bias, routing, gate_up, down, expert_range, shared_gate_up, shared_down):
+        def moe(self, x, router_weight, bias, routing, gate_up, down, expert_range, shared_gate_up, shared_down):
             # the shared expert rides in the experts' GEMMs when as wide as one (TorchOps.moe)
             folded = shared_gate_up.shape[0] == gate_up.shape[1]
-            weights, ids = self.route(router_logits, bias, routing)
+            weights, ids = self.route(self.router_logits(x, router_weight), bias, routing)
             self.expert_mode = fp8_mode(x.shape[0]) if moe_mode is None else moe_mode
             try:
                 routed = self.routed_experts(x, gate_up, down, weights, ids, expert_range)
@@ -363,7 +378,9 @@ def check_moe_fp8(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4, 
     ws = [(0.1 * torch.randn(*shape, generator=g)).to(device) for shape in
           ((last - first, 2 * inter, hidden), (last - first, hidden, inter), (2 * sw, hidden), (hidden, sw))]
     gate_up, down, sh_gate_up, sh_down = (OPS.quantize_fp8(w) for w in ws)
-    logits = (2.0 * torch.randn(T, experts, generator=g)).to(device)
+    logits = 2.0 * torch.randn(T, experts, generator=g)
+    # the router weights that give these logits (least squares; exact while T <= hidden)
+    router = torch.linalg.lstsq(x.float().cpu(), logits).solution.t().contiguous().to(device)
     bias = (0.2 * torch.rand(experts, generator=g)).to(device)
     routing = Routing(experts, top_k, 1, 1, True, 2.5)
     args = (routing, gate_up, down, (first, last), sh_gate_up, sh_down)
@@ -373,13 +390,13 @@ def check_moe_fp8(device, dtype, T=9, hidden=64, inter=48, experts=16, top_k=4, 
     if tile is not None:
         fused_moe.pick = lambda _configs, _tokens: tile
     try:
-        out = OPS.moe(x, logits, bias, *args)
+        out = OPS.moe(x, router, bias, *args)
     finally:
         fused_moe.fp8_mode, fused_moe.pick = default
     with _off():
-        emulated = emulated_ops(mode).moe(x, logits, bias, *args)
+        emulated = emulated_ops(mode).moe(x, router, bias, *args)
         deq = [OPS.dequantize_fp8(w, str(dtype).removeprefix("torch.")) for w in (gate_up, down, sh_gate_up, sh_down)]
-        fp32 = OPS.moe(x.float(), logits, bias, routing, deq[0].float(), deq[1].float(), (first, last), deq[2].float(),
+        fp32 = OPS.moe(x.float(), router, bias, routing, deq[0].float(), deq[1].float(), (first, last), deq[2].float(),
                        deq[3].float())
     return {"emulated": rel(out, emulated), "fp8_vs_fp32": rel(out, fp32)}
 
@@ -442,7 +459,7 @@ CHECKS = {"add_rmsnorm": check_add_rmsnorm, "silu_and_mul": check_silu_and_mul, 
           "prefill_attention_page4": lambda d, t: check_prefill_attention(d, t, chunks=((3, 9), (0, 66)), heads=4,
                                                                            kv_heads=1, page=4),
           "fused_moe": lambda d, t: check_fused_moe(d, t, tile_kinds=True),
-          "fused_moe_partial": lambda d, t: check_fused_moe(d, t, expert_range=(4, 12)),
+          "fused_moe_partial": lambda d, t: check_fused_moe(d, t, expert_range=(4, 12), tile_kinds=True),
           # 3 * 40 = 120 pairs: the three-kernel sort (more than one chunk of 64 pairs)
           "fused_moe_chunks": lambda d, t: check_fused_moe(d, t, T=40, top_k=3, hidden=32, inter=32),
           # 1200 pairs = 19 chunks: the running sum over chunks takes two tiles of 16

@@ -33,8 +33,9 @@ class MLP(Module):
 class TopKRouter(Module):
     """The router's weights (fp32 whatever the model dtype) and its fp32 logits.
 
-    The selection itself (sigmoid, group-limited top-k on the bias-corrected scores, weights
-    from the un-biased scores) is ``Ops.route``.
+    The MoE hands the weights to ``Ops.moe``, which computes the logits and the selection
+    (sigmoid, group-limited top-k on the bias-corrected scores, weights from the un-biased
+    scores: ``Ops.route``) together, so a backend can do both in one kernel.
     """
 
     def __init__(self, config: Glm4MoeConfig):
@@ -47,7 +48,7 @@ class TopKRouter(Module):
 
     def forward(self, x):
         """``x [T, H]`` -> router logits ``[T, E]`` in fp32."""
-        return self.F.linear(self.F.float32(x), self.weight)
+        return self.F.router_logits(x, self.weight)
 
 
 class Experts(Module):
@@ -81,7 +82,7 @@ class MoE(Module):
 
     def forward(self, x):
         experts, shared = self.experts, self.shared_experts
-        out = self.F.moe(x, self.gate(x), self.gate.e_score_correction_bias, self.gate.routing,
+        out = self.F.moe(x, self.gate.weight, self.gate.e_score_correction_bias, self.gate.routing,
                          weight_of(experts, "gate_up_proj"), weight_of(experts, "down_proj"), experts.expert_range,
                          weight_of(shared.gate_up_proj), weight_of(shared.down_proj))
         return self.comm.all_reduce(out) if self.reduce_results else out

@@ -207,6 +207,10 @@ class Ops:
                       mask, mask is None and n > 1, scale)
         return self.transpose(o[0], 0, 1)
 
+    def router_logits(self, x, weight):
+        """``x [T, H]`` times the fp32 router ``weight [E, H]``: logits ``[T, E]`` in fp32."""
+        return self.linear(self.float32(x), weight)
+
     def route(self, logits, bias, routing: Routing):
         """Router logits ``[T, E]`` (fp32) -> ``(weights [T, top_k] fp32, expert ids [T, top_k])``.
 
@@ -234,12 +238,13 @@ class Ops:
         gate, up = self.split(self.project(x, gate_up), [gate_up.shape[0] // 2] * 2, -1)
         return self.project(self.silu_and_mul(gate, up), down)
 
-    def moe(self, x, router_logits, bias, routing: Routing, gate_up, down, expert_range: tuple[int, int],
+    def moe(self, x, router_weight, bias, routing: Routing, gate_up, down, expert_range: tuple[int, int],
             shared_gate_up, shared_down):
         """Routed experts (stacked ``gate_up [E_local, 2I, H]``, ``down [E_local, H, I]`` holding
         experts ``expert_range``; tensors or ``Fp8Weight``s) plus the shared expert, summed: this
-        rank's partial output."""
-        weights, ids = self.route(router_logits, bias, routing)
+        rank's partial output. Each token's experts are chosen from its router logits (the fp32
+        ``router_weight [E, H]``) and the correction ``bias`` (``route``)."""
+        weights, ids = self.route(self.router_logits(x, router_weight), bias, routing)
         return (self.routed_experts(x, gate_up, down, weights, ids, expert_range)
                 + self.swiglu(x, shared_gate_up, shared_down))
 

@@ -296,22 +296,33 @@ class TorchOps(Ops):
                            f"multiples of 16 and bf16; it runs dequantized")
         return super().linear_fp8(x, w, bias)
 
-    def moe(self, x, router_logits, bias, routing: Routing, gate_up, down, expert_range, shared_gate_up,
+    def router_logits(self, x, weight):
+        if kernels.enabled(x):
+            from glm_fused.torch_backend.kernels.fused_moe import ROUTER_GEMV_MAX_TOKENS, router_logits
+
+            if x.shape[0] <= ROUTER_GEMV_MAX_TOKENS:  # decode: one launch where the cast and cuBLAS take three
+                return router_logits(x, weight)
+        return super().router_logits(x, weight)
+
+    def moe(self, x, router_weight, bias, routing: Routing, gate_up, down, expert_range, shared_gate_up,
             shared_down):
         fp8 = isinstance(gate_up, Fp8Weight)
         if not kernels.enabled(x) or fp8 != isinstance(down, Fp8Weight):
-            return super().moe(x, router_logits, bias, routing, gate_up, down, expert_range, shared_gate_up,
+            return super().moe(x, router_weight, bias, routing, gate_up, down, expert_range, shared_gate_up,
                                shared_down)
-        from glm_fused.torch_backend.kernels.fused_moe import fused_experts, router_topk
+        from glm_fused.torch_backend.kernels.fused_moe import (ROUTER_GEMV_MAX_TOKENS, fused_experts, route_tokens,
+                                                               router_topk)
 
         # One shared expert as wide as a routed one (and stored alike) rides in the routed GEMMs as expert E.
         fold = (shared_gate_up.shape[0] == gate_up.shape[1]
                 and isinstance(shared_gate_up, Fp8Weight) == fp8 == isinstance(shared_down, Fp8Weight))
-        if routing.n_group == 1:
-            weights, ids = router_topk(router_logits, bias, routing.top_k, routing.norm_topk_prob, routing.scale,
-                                       append_shared=fold)
+        choice = (bias, routing.top_k, routing.norm_topk_prob, routing.scale)
+        if routing.n_group == 1 and x.shape[0] <= ROUTER_GEMV_MAX_TOKENS:  # logits and top-k in one launch
+            weights, ids = route_tokens(x, router_weight, *choice, append_shared=fold)
+        elif routing.n_group == 1:
+            weights, ids = router_topk(self.router_logits(x, router_weight), *choice, append_shared=fold)
         else:
-            weights, ids = self.route(router_logits, bias, routing)
+            weights, ids = self.route(self.router_logits(x, router_weight), bias, routing)
             if fold:
                 T = ids.shape[0]
                 weights = torch.cat([weights, weights.new_ones(T, 1)], dim=1)

@@ -63,13 +63,10 @@ def fp8_mode(num_tokens: int) -> int:
 
 # ---------------------------------------------------------------------------- router
 @triton.jit
-def _router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, scale, stride_l,
-                        TOP_K: tl.constexpr, K_B: tl.constexpr, E_B: tl.constexpr, NORM: tl.constexpr,
-                        SHARED: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, E_B)
-    em = e < E
-    score = tl.sigmoid(tl.load(logits_ptr + t * stride_l + e, mask=em, other=0.0))
+def _select(score, e, em, t, bias_ptr, w_ptr, ids_ptr, E, scale, TOP_K: tl.constexpr, K_B: tl.constexpr,
+            NORM: tl.constexpr, SHARED: tl.constexpr):
+    """Token t's choice from its sigmoid scores ``[E_B]``: top-k on score + bias, weights the
+    un-biased scores (renormalised, scaled), and the shared expert's column when SHARED."""
     choice = tl.where(em, score + tl.load(bias_ptr + e, mask=em, other=0.0), float("-inf"))
     kk = tl.arange(0, K_B)
     ids = tl.zeros([K_B], tl.int32)
@@ -91,21 +88,112 @@ def _router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, scale, stride_l
     tl.store(w_ptr + t * width + kk, ws, mask=km)
 
 
+@triton.jit
+def _router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, scale, stride_l,
+                        TOP_K: tl.constexpr, K_B: tl.constexpr, E_B: tl.constexpr, NORM: tl.constexpr,
+                        SHARED: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_B)
+    em = e < E
+    score = tl.sigmoid(tl.load(logits_ptr + t * stride_l + e, mask=em, other=0.0))
+    _select(score, e, em, t, bias_ptr, w_ptr, ids_ptr, E, scale, TOP_K, K_B, NORM, SHARED)
+
+
 def router_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool, scale: float,
                 append_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits [T, E]`` fp32 -> ``(weights [T, top_k] fp32, ids [T, top_k] int32)`` (no expert groups).
+    """``logits [T, E]`` fp32 -> ``(weights [T, top_k] fp32, ids [T, top_k] int32)`` (no expert
+    groups), one program per token.
 
     ``append_shared``: a last column with id E and weight 1, the shared expert folded into the
     routed GEMMs (``fused_experts(shared_weights=...)``)."""
     T, E = logits.shape
-    width = top_k + int(append_shared)
-    weights = torch.empty(T, width, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(T, width, dtype=torch.int32, device=logits.device)
+    weights, ids = _choice_buffers(T, top_k + int(append_shared), logits.device)
     if T:
         _router_topk_kernel[(T,)](logits, bias, weights, ids, E, float(scale), logits.stride(0), TOP_K=top_k,
-                                  K_B=next_pow2(width), E_B=next_pow2(E), NORM=norm_topk_prob,
+                                  K_B=next_pow2(ids.shape[1]), E_B=next_pow2(E), NORM=norm_topk_prob,
                                   SHARED=append_shared, num_warps=1)
     return weights, ids
+
+
+def _choice_buffers(T: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(T, width, dtype=torch.float32, device=device),
+            torch.empty(T, width, dtype=torch.int32, device=device))
+
+
+# Decode-sized steps: the router's logits straight from the hidden states, where eager runs a
+# cast of x to fp32 and cuBLAS's fp32 GEMV with its split-K reduction (three launches, 8.6 us at
+# one token on an H200), with the top-k in the same launch. Keyed by the most tokens:
+# (BLOCK_E, BLOCK_K, num_warps), from a sweep on an H200 (docs/fp8.md); above the last bound
+# cuBLAS is as fast.
+ROUTER_TILES = [(8, (1, 512, 8)), (16, (2, 512, 4)), (32, (4, 1024, 4))]
+ROUTER_GEMV_MAX_TOKENS = ROUTER_TILES[-1][0]
+_arrivals: dict = {}  # per device: how many programs of each token's row have finished (zero between launches)
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, wts_ptr, ids_ptr, arrived_ptr, E, K, scale, stride_x, stride_w,
+                   SELECT: tl.constexpr, TOP_K: tl.constexpr, K_B: tl.constexpr, E_B: tl.constexpr,
+                   NORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Logits of BLOCK_E experts for token t (fp32 products of x, widened, and the fp32 weights);
+    with SELECT, the last of the token's programs to finish makes its choice from all E."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    t = tl.program_id(1).to(tl.int64)
+    em = e < E
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        km = kk < K - k0
+        x = tl.load(x_ptr + t * stride_x + k0 + kk, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + k0 + kk[None, :], mask=em[:, None] & km[None, :],
+                    other=0.0)
+        acc += w * x[None, :]
+    tl.store(logits_ptr + t * E + e, tl.sum(acc, axis=1), mask=em)
+    if SELECT:
+        # The pattern of a grid barrier (torch inductor's): every thread's stores before the
+        # release, the count read back with acquire; the last arrival sees all E logits in L2.
+        tl.debug_barrier()
+        done = tl.atomic_add(arrived_ptr + t, 1, sem="acq_rel")
+        tl.debug_barrier()
+        if done == tl.num_programs(0) - 1:
+            tl.store(arrived_ptr + t, 0)  # ready for the next launch (graph replays included)
+            ee = tl.arange(0, E_B)
+            em2 = ee < E
+            logit = tl.load(logits_ptr + t * E + ee, mask=em2, other=0.0, cache_modifier=".cg")
+            _select(tl.sigmoid(logit), ee, em2, t, bias_ptr, wts_ptr, ids_ptr, E, scale, TOP_K, K_B, NORM, SHARED)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``x [T, H]`` (any float dtype) times the fp32 router ``weight [E, H]``: fp32 logits ``[T, E]``
+    in one launch (T up to ROUTER_GEMV_MAX_TOKENS; ``tile`` overrides ROUTER_TILES)."""
+    return _router(x, weight, None, 0, False, 1.0, False, tile)[0]
+
+
+def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                 scale: float, append_shared: bool = False,
+                 tile: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``router_topk(router_logits(x, weight), ...)`` in one launch, for T up to
+    ROUTER_GEMV_MAX_TOKENS: ``(weights, ids)`` as ``router_topk`` gives them."""
+    _, weights, ids = _router(x, weight, bias, top_k, norm_topk_prob, scale, append_shared, tile)
+    return weights, ids
+
+
+def _router(x, weight, bias, top_k, norm, scale, shared, tile):
+    T, K = x.shape
+    E = weight.shape[0]
+    assert T <= ROUTER_GEMV_MAX_TOKENS and weight.stride(-1) == 1
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    weights, ids = _choice_buffers(T, top_k + int(shared), x.device)
+    arrived = _arrivals.get(x.device)
+    if arrived is None:  # made once per device, on the first (eager) call: the warm-up runs before any capture
+        arrived = _arrivals[x.device] = torch.zeros(ROUTER_GEMV_MAX_TOKENS, dtype=torch.int32, device=x.device)
+    if T:
+        be, bk, warps = tile or next(t for bound, t in ROUTER_TILES if T <= bound)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        _router_kernel[(triton.cdiv(E, be), T)](
+            x, weight, logits, bias if bias is not None else logits, weights, ids, arrived, E, K, float(scale),
+            x.stride(0), weight.stride(0), SELECT=top_k > 0, TOP_K=top_k, K_B=next_pow2(max(1, top_k + int(shared))),
+            E_B=next_pow2(E), NORM=norm, SHARED=shared, BLOCK_E=be, BLOCK_K=min(bk, next_pow2(K)), num_warps=warps)
+    return logits, weights, ids
 
 
 # ---------------------------------------------------------------------------- align
@@ -209,6 +297,18 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1) + block_m - 1) // block_m
 
 
+def rows_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, partial: bool) -> Alignment:
+    """The GEMMs' row blocks: ``align``'s sorted, padded runs; or, for blocks of one pair (FMA
+    tiles, one-token steps), no sort at all, a launch fewer: block i is pair i and its expert
+    the pair's id, -1 (no work) where ``partial`` marked the pair's expert as held elsewhere."""
+    if block_m != 1:
+        return align(ids, num_experts, block_m)
+    flat = ids.reshape(-1)
+    if partial:
+        flat = torch.where(flat < num_experts, flat, -1)
+    return Alignment(flat, flat, 1)
+
+
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     flat = ids.reshape(-1)
     N = flat.numel()
@@ -246,9 +346,14 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _block_rows(block_expert_ptr, sorted_ptr, pid_m, N, BLOCK_M: tl.constexpr):
-    """The expert of row block ``pid_m`` (-1: no work) and its pair indices (N: padding)."""
+    """The expert of row block ``pid_m`` (-1: no work) and its pair indices (N: padding).
+    A block of one pair (BLOCK_M 1, FMA tiles) is pair ``pid_m`` itself, unsorted:
+    ``block_expert_ptr`` is then the pairs' expert ids (``rows_by_expert``)."""
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if BLOCK_M == 1:
+        pair = pid_m + tl.arange(0, 1)
+    else:
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     return e, pair, pair < N
 
 
@@ -534,7 +639,7 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     assert all(c.kind != FMA or c.block_m == 1 for c in (cu, cd)), "an FMA tile holds one pair"
     a, a_scale = per_token_quant(x) if mode == QUANTIZED_INPUT else (x, x)  # (x: an unused pointer)
 
-    al = align(local, slots, cu.block_m)
+    al = rows_by_expert(local, slots, cu.block_m, partial)
     h = torch.empty(N, I, dtype=x.dtype, device=x.device)
     num_m = al.block_expert.numel()
     _gate_up_kernel[(num_m * triton.cdiv(I, cu.block_n),)](
@@ -544,7 +649,7 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         FP8=mode, KIND=cu.kind, num_warps=cu.num_warps, num_stages=cu.num_stages)
 
     if cd.block_m != cu.block_m:
-        al = align(local, slots, cd.block_m)
+        al = rows_by_expert(local, slots, cd.block_m, partial)
     y = torch.empty(N, H, dtype=x.dtype, device=x.device)
     if partial:
         y.zero_()  # rows of pairs routed elsewhere are never written
