@@ -4,10 +4,13 @@ For T tokens with top-k experts each there are N = T * k (token, expert) pairs; 
 ``t * k + j`` is token t's j-th choice.
 
 1. ``router_topk``: sigmoid scores; top-k on score + correction bias; weights are the
-   un-biased scores, renormalised and scaled. One program per token.
+   un-biased scores, renormalised and scaled. One program per token. ``route_tokens`` (up
+   to ROUTER_GEMV_MAX_TOKENS tokens): the fp32 logits from the hidden states and the same
+   choice in one launch.
 2. ``align``: pairs sorted by expert and each expert's run padded to ``BLOCK_M`` rows, so the
    ``BLOCK_M`` rows of a GEMM program share one expert (``block_expert``; -1 = no work).
-   Padding rows hold the sentinel N. Three launches, no host sync, fixed shapes.
+   Padding rows hold the sentinel N. Three launches, no host sync, fixed shapes. Blocks of
+   one pair (FMA tiles) need no sort (``rows_by_expert``).
 3. ``gate_up``: ``h[pair] = silu(x[tok] Wg[e]^T) * (x[tok] Wu[e]^T)``, gate and up halves
    in the same program, so the activation is applied in fp32 and written once.
 4. ``down``: ``y[pair] = weight[pair] * (h[pair] Wd[e]^T)``;
