@@ -345,11 +345,12 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
     pe = rotary(hf_x, position_ids) if rotary is not None else None
     hit = {}
 
-    def record(gate, _inputs, logits):  # the router gives logits; its choice is OPS.route's
-        _, ids = OPS.route(logits, gate.e_score_correction_bias, gate.routing)
+    def record(moe, inputs):  # the MoE's input; its choice is OPS.route's on the router's logits
+        gate = moe.gate
+        _, ids = OPS.route(OPS.router_logits(inputs[0], gate.weight), gate.e_score_correction_bias, gate.routing)
         hit["n"] = int(torch.unique(ids).numel())
 
-    handle = ours.mlp.gate.register_forward_hook(record) if kind == "moe" else None
+    handle = ours.mlp.register_forward_pre_hook(record) if kind == "moe" else None
     with torch.inference_mode(), triton_kernels(False):
         ours(positions, hidden, None, meta, (k_cache, v_cache))
     if handle is not None:
