@@ -126,9 +126,9 @@ def _choice_buffers(T: int, width: int, device) -> tuple[torch.Tensor, torch.Ten
 # Decode-sized steps: the router's logits straight from the hidden states, where eager runs a
 # cast of x to fp32 and cuBLAS's fp32 GEMV with its split-K reduction (three launches, 8.6 us at
 # one token on an H200), with the top-k in the same launch. Keyed by the most tokens:
-# (BLOCK_E, BLOCK_K, num_warps), from a sweep on an H200 (docs/fp8.md); above the last bound
+# (BLOCK_E, BLOCK_K, num_warps), from sweeps on an H200 (docs/speed.md); above the last bound
 # cuBLAS is as fast.
-ROUTER_TILES = [(8, (1, 512, 8)), (16, (2, 512, 4)), (32, (4, 1024, 4))]
+ROUTER_TILES = [(8, (1, 4096, 4)), (16, (2, 512, 4)), (32, (4, 1024, 4))]
 ROUTER_GEMV_MAX_TOKENS = ROUTER_TILES[-1][0]
 _arrivals: dict = {}  # per device: how many programs of each token's row have finished (zero between launches)
 
