@@ -25,8 +25,9 @@ difference of the residual stream after the layer), so a fast wrong layer cannot
 fast one.
 
 ``python scripts/bench_layers.py`` (defaults: GPU, bf16, prefill 2048, decode 1/8/32/64 at
-context 512, batch 1 also at 256 and 4096); ``--device cpu --config configs/glm-4.5-air-tiny.json --prefill 64 ...`` runs the
-same code small on a CPU. ``--json OUT`` writes every figure.
+context 512, batch 1 also at 256 and 4096); ``--device cpu --config configs/glm-4.5-air-tiny.json --prefill 64 --matmul-n 256 --copy-mib 16
+...`` runs the same code small on a CPU (the default 8192-wide matmul that measures the
+matrix rate would take minutes there). ``--json OUT`` writes every figure.
 """
 
 from __future__ import annotations
