@@ -82,6 +82,12 @@ def _sm90_compile(fn, signature: dict, constexprs: dict, num_warps: int = 4, num
                                                                            "num_stages": num_stages})
 
 
+def _assert_pdl(ptx: str) -> None:
+    """A kernel built for PDL waits for the kernel before, then lets the next one start."""
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    assert 0 <= wait < launch, "no griddepcontrol.wait before launch_dependents"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fp8_kernels_compile_for_sm90():
@@ -95,16 +101,21 @@ def test_fp8_kernels_compile_for_sm90():
     try:
         quant = _sm90_compile(fp8._per_token_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                                                             "K": "i32", "stride_x": "i32", "stride_q": "i32"},
-                              {"BLOCK": 1024})
+                              {"BLOCK": 1024, "PDL": False})
     except Exception as exc:  # no ptxas in this Triton build
         pytest.skip(f"cannot compile for sm90 here: {type(exc).__name__}: {str(exc)[:200]}")
     assert "cvt.rn.satfinite.e4m3x2.f32" in quant.asm["ptx"]
+    assert "griddepcontrol" not in quant.asm["ptx"]  # launched the ordinary way: no PDL instructions
     for kind, bm, bn in ((fp8.MMA, 16, 32), (fp8.SWAP, 16, 64), (fp8.FMA, 1, 16)):
         gemv = _sm90_compile(fp8._weight_only_kernel, {
             "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
             "N": "i32", "K": "i32", "stride_x": "i32", "stride_w": "i32", "stride_o": "i32"},
-            {"HAS_BIAS": False, "EVEN_K": True, "KIND": kind, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256})
+            {"HAS_BIAS": False, "EVEN_K": True, "KIND": kind, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256,
+             "PDL": True})
         assert "e4m3x2" in gemv.asm["ptx"]  # e4m3 codes widened in registers
+        _assert_pdl(gemv.asm["ptx"])
+        ptx = gemv.asm["ptx"]  # the first weight tile is requested before the wait
+        assert 0 <= ptx.find("ld.global") < ptx.find("griddepcontrol.wait")
         assert ("mma" in gemv.asm["ptx"]) == (kind != fp8.FMA)  # bf16 tensor cores, or none
     for mode, tile, kind in ((fused_moe.QUANT_IN_KERNEL, (16, 128, 128, 1, 4, 3), fused_moe.MMA),
                              (fused_moe.WEIGHT_ONLY, (16, 32, 256, 1, 4, 4), fused_moe.MMA),
@@ -117,7 +128,7 @@ def test_fp8_kernels_compile_for_sm90():
                   "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "N": "i32", "K": "i32", "num_m": "i32",
                   "shared_id": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_se": "i32"}
         consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "PREC": "tf32", "FP8": mode,
-                  "KIND": kind}
+                  "KIND": kind, "PDL": True}
         gate_up = _sm90_compile(fused_moe._gate_up_kernel, {
             "x_ptr": a, "xs_ptr": "*fp32", "h_ptr": "*bf16", "I": "i32", "stride_x": "i32", "stride_h": "i32",
             **common}, {"TOP_K": 9, **consts}, warps, stages)
@@ -126,6 +137,7 @@ def test_fp8_kernels_compile_for_sm90():
             "stride_y": "i32", **common}, consts, warps, stages)
         for kernel in (gate_up, down):
             ptx = kernel.asm["ptx"]
+            _assert_pdl(ptx)
             if mode == fused_moe.QUANTIZED_INPUT:
                 assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
             elif mode == fused_moe.WEIGHT_ONLY:
@@ -179,6 +191,41 @@ def test_linear_fp8_at_air_sizes(cuda, M, N, K):
 
     res = triton_checks.check_linear_fp8("cuda", torch.bfloat16, M=M, K=K, N=N, seed=M)
     _assert_checks({"linear_fp8": res}, BF16_TOL)
+
+
+@pytest.mark.gpu
+def test_kernels_launch_with_pdl(cuda):
+    """On sm90 and later the kernels are launched with PDL (the compiled kernels carry the
+    launch option) and give the same bits as ordinary launches: a chain of add + RMSNorm and
+    fp8 Linears, where a kernel reading its input before the previous one finished would differ."""
+    from glm_fused.torch_backend.kernels import fp8, pdl, rmsnorm
+
+    if torch.cuda.get_device_capability(cuda)[0] < 9:
+        pytest.skip("PDL needs sm90 or later")
+    g = torch.Generator(device=cuda).manual_seed(0)
+    x = torch.randn(1, 4096, device=cuda, dtype=torch.bfloat16, generator=g)
+    norm_w = 1 + 0.1 * torch.randn(4096, device=cuda, dtype=torch.bfloat16, generator=g)
+    codes = torch.randn(4096, 4096, device=cuda, generator=g).to(torch.float8_e4m3fn)
+    scale = 0.02 * torch.rand(4096, device=cuda, generator=g)
+
+    def chain():
+        h, res = rmsnorm.add_rmsnorm(x, None, norm_w, 1e-5)
+        for _ in range(16):
+            h, res = rmsnorm.add_rmsnorm(fp8.linear_fp8_weight_only(h, codes, scale), res, norm_w, 1e-5)
+        return h
+
+    previous = pdl.set_pdl(True)
+    try:
+        with_pdl = chain()
+        pdl.set_pdl(False)
+        plain = chain()
+    finally:
+        pdl.set_pdl(previous)
+    torch.cuda.synchronize()
+    assert torch.isfinite(plain).all() and torch.equal(with_pdl, plain)
+    for kernel in (fp8._weight_only_kernel, rmsnorm._add_rmsnorm_kernel):
+        compiled = list(kernel.device_caches[cuda.index][0].values())
+        assert {k.metadata.launch_pdl for k in compiled} == {True, False}, kernel
 
 
 @pytest.mark.gpu

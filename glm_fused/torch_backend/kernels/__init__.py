@@ -9,6 +9,7 @@ can be captured in a CUDA graph (``glm_fused.torch_backend.cuda_graph``).
 * ``rotary.py``         - partial NeoX RoPE on q and k, and the KV-cache write, in one launch;
 * ``decode_attention.py`` - one query per sequence over its cached keys (split-K, two stages);
 * ``fused_moe.py``      - router top-k, token sort by expert, and the two expert GEMMs.
+* ``pdl.py``            - programmatic dependent launch: each kernel starts while the one before ends.
 
 Each kernel computes what the eager layer computes (tests compare them on the GPU and, small,
 under Triton's CPU interpreter). ``enabled(tensor)`` is the one switch the layers ask: a CUDA

@@ -6,11 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
+from glm_fused.torch_backend.kernels.pdl import pdl_args, pdl_wait
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, stride_out, BLOCK_: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, stride_out, BLOCK_: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_ + tl.arange(0, BLOCK_)
     m = cols < n_cols
@@ -26,5 +30,5 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, n, dtype=gate.dtype, device=gate.device)
     if T:
         _silu_mul_kernel[(T, triton.cdiv(n, BLOCK))](gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0),
-                                                   BLOCK_=BLOCK, num_warps=4)
+                                                   BLOCK_=BLOCK, num_warps=4, **pdl_args(out))
     return out

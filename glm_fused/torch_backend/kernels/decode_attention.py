@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from glm_fused.torch_backend.kernels import dot_precision, next_pow2
+from glm_fused.torch_backend.kernels.pdl import pdl_args, pdl_wait
 
 BLOCK_N = 64
 TARGET_PROGRAMS = 264  # about two per multiprocessor of an H100/H200
@@ -33,23 +34,31 @@ MAX_SPLITS = 64
 # count, so its strides keep one alignment.
 
 
+@triton.jit
+def _split_range(length, split, splits, BLOCK: tl.constexpr):
+    """Keys ``[start, end)`` of a split: whole BLOCKs, so short sequences use fewer splits."""
+    per = tl.cdiv(tl.cdiv(length, splits), BLOCK) * BLOCK
+    start = split * per
+    return start, tl.minimum(start + per, length)
+
+
 @triton.jit(do_not_specialize=["splits", "stride_table"])
 def _stage1(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, splits,
             stride_qs, stride_qh, stride_table, stride_cblock, stride_cpos, stride_ch,
             stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
             GROUP: tl.constexpr, GROUP_B: tl.constexpr, HEAD_DIM: tl.constexpr,
-            BLOCK: tl.constexpr, PREC: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
+            BLOCK: tl.constexpr, PREC: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+            PDL: tl.constexpr):
+    pdl_wait(PDL)
     s = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(len_ptr + s).to(tl.int32)
-    per = tl.cdiv(tl.cdiv(length, splits), BLOCK) * BLOCK
-    start = split * per
-    end = tl.minimum(start + per, length)
+    start, end = _split_range(length, split, splits, BLOCK)
 
     g = tl.arange(0, GROUP_B)
     heads = kvh * GROUP + g
-    gm = g < GROUP
+    gm = (g < GROUP) & (start < end)  # a split past the end writes nothing: stage 2 skips it
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + s * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
     if PAGED:
@@ -97,12 +106,15 @@ def _stage1(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, spli
 
 
 @triton.jit(do_not_specialize=["splits"])
-def _stage2(o_ptr, lse_ptr, out_ptr, splits, stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
-            stride_outs, stride_outh, SPLITS_B: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _stage2(o_ptr, lse_ptr, len_ptr, out_ptr, splits, stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
+            stride_outs, stride_outh, SPLITS_B: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+            PDL: tl.constexpr):
+    pdl_wait(PDL)
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_B)
-    spm = sp < splits
+    start, end = _split_range(tl.load(len_ptr + s).to(tl.int32), sp, splits, BLOCK)
+    spm = (sp < splits) & (start < end)  # only the splits that had keys (at batch 1 and 512 keys: 8 of 33)
     lse = tl.load(lse_ptr + s * stride_ls + h * stride_lh + sp, mask=spm, other=float("-inf"))
     w = tl.exp(lse - tl.max(lse, axis=0))
     w = w / tl.sum(w, axis=0)
@@ -152,8 +164,8 @@ def _launch(q, k_cache, v_cache, table, stride_table, seq_lens, scale, paged, pa
         q.stride(0), q.stride(1), stride_table, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_B=max(16, next_pow2(group)), HEAD_DIM=D, BLOCK=BLOCK_N,
-        PREC=dot_precision(q.dtype), PAGED=paged, PAGE=page, num_warps=4, num_stages=2)
-    _stage2[(S, nh)](o, lse, out, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-                     out.stride(0), out.stride(1), SPLITS_B=1 if splits == 1 else MAX_SPLITS, HEAD_DIM=D,
-                     num_warps=4)
+        PREC=dot_precision(q.dtype), PAGED=paged, PAGE=page, num_warps=4, num_stages=2, **pdl_args(q))
+    _stage2[(S, nh)](o, lse, seq_lens, out, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0),
+                     lse.stride(1), out.stride(0), out.stride(1), SPLITS_B=1 if splits == 1 else MAX_SPLITS,
+                     HEAD_DIM=D, BLOCK=BLOCK_N, num_warps=4, **pdl_args(q))
     return out

@@ -47,6 +47,7 @@ import triton.language as tl
 from glm_fused.torch_backend.kernels import dot_precision, next_pow2
 from glm_fused.torch_backend.kernels.fp8 import FMA, MMA, SWAP  # noqa: F401  (the tile kinds, named here too)
 from glm_fused.torch_backend.kernels.fp8 import finish_acc, per_token_quant, to_fp8, token_scale, zeros_acc
+from glm_fused.torch_backend.kernels.pdl import pdl_args, pdl_wait
 
 CHUNK = 64  # pairs per program in the align kernels
 # fp8 modes of the GEMM kernels (constexpr FP8; the module docstring says when each runs)
@@ -94,7 +95,8 @@ def _select(score, e, em, t, bias_ptr, w_ptr, ids_ptr, E, scale, TOP_K: tl.const
 @triton.jit
 def _router_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, scale, stride_l,
                         TOP_K: tl.constexpr, K_B: tl.constexpr, E_B: tl.constexpr, NORM: tl.constexpr,
-                        SHARED: tl.constexpr):
+                        SHARED: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_B)
     em = e < E
@@ -114,7 +116,7 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_
     if T:
         _router_topk_kernel[(T,)](logits, bias, weights, ids, E, float(scale), logits.stride(0), TOP_K=top_k,
                                   K_B=next_pow2(ids.shape[1]), E_B=next_pow2(E), NORM=norm_topk_prob,
-                                  SHARED=append_shared, num_warps=1)
+                                  SHARED=append_shared, num_warps=1, **pdl_args(logits))
     return weights, ids
 
 
@@ -136,19 +138,24 @@ _arrivals: dict = {}  # per device: how many programs of each token's row have f
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, wts_ptr, ids_ptr, arrived_ptr, E, K, scale, stride_x, stride_w,
                    SELECT: tl.constexpr, TOP_K: tl.constexpr, K_B: tl.constexpr, E_B: tl.constexpr,
-                   NORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                   NORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
     """Logits of BLOCK_E experts for token t (fp32 products of x, widened, and the fp32 weights);
     with SELECT, the last of the token's programs to finish makes its choice from all E."""
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     t = tl.program_id(1).to(tl.int64)
     em = e < E
     kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    w_ptrs = w_ptr + e[:, None].to(tl.int64) * stride_w + kk[None, :]
+    # the first K step's weights (at one token, the whole row) requested before the wait (PDL)
+    w = tl.load(w_ptrs, mask=em[:, None] & (kk < K)[None, :], other=0.0)
+    pdl_wait(PDL)
+    x = tl.load(x_ptr + t * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
+    acc = w * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         km = kk < K - k0
         x = tl.load(x_ptr + t * stride_x + k0 + kk, mask=km, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + k0 + kk[None, :], mask=em[:, None] & km[None, :],
-                    other=0.0)
+        w = tl.load(w_ptrs + k0, mask=em[:, None] & km[None, :], other=0.0)
         acc += w * x[None, :]
     tl.store(logits_ptr + t * E + e, tl.sum(acc, axis=1), mask=em)
     if SELECT:
@@ -195,7 +202,8 @@ def _router(x, weight, bias, top_k, norm, scale, shared, tile):
         _router_kernel[(triton.cdiv(E, be), T)](
             x, weight, logits, bias if bias is not None else logits, weights, ids, arrived, E, K, float(scale),
             x.stride(0), weight.stride(0), SELECT=top_k > 0, TOP_K=top_k, K_B=next_pow2(max(1, top_k + int(shared))),
-            E_B=next_pow2(E), NORM=norm, SHARED=shared, BLOCK_E=be, BLOCK_K=min(bk, next_pow2(K)), num_warps=warps)
+            E_B=next_pow2(E), NORM=norm, SHARED=shared, BLOCK_E=be, BLOCK_K=min(bk, next_pow2(K)), num_warps=warps,
+            **pdl_args(x))
     return logits, weights, ids
 
 
@@ -226,7 +234,8 @@ def _write_blocks(pend, block_expert_ptr, sorted_ptr, N, E, max_blocks, BLOCK_M:
 
 
 @triton.jit(do_not_specialize=["N"])
-def _count_kernel(ids_ptr, counts_ptr, N, E, CHUNK_: tl.constexpr, E_B: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, N, E, CHUNK_: tl.constexpr, E_B: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     c = tl.program_id(0)
     offs = c * CHUNK_ + tl.arange(0, CHUNK_)
     _, onehot = _onehot(ids_ptr, offs, N, E, E_B)
@@ -236,7 +245,8 @@ def _count_kernel(ids_ptr, counts_ptr, N, E, CHUNK_: tl.constexpr, E_B: tl.const
 @triton.jit(do_not_specialize=["N", "n_chunks", "max_blocks"])
 def _offsets_kernel(counts_ptr, chunk_base_ptr, pstart_ptr, block_expert_ptr, sorted_ptr, N, E, n_chunks,
                     max_blocks, BLOCK_M: tl.constexpr, E_B: tl.constexpr, B_CHUNK: tl.constexpr,
-                    C_TILE: tl.constexpr):
+                    C_TILE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     e = tl.arange(0, E_B)
     em = e < E
     # pairs of each expert in the chunks before chunk c (an exclusive running sum over
@@ -258,7 +268,8 @@ def _offsets_kernel(counts_ptr, chunk_base_ptr, pstart_ptr, block_expert_ptr, so
 
 @triton.jit(do_not_specialize=["N"])
 def _scatter_kernel(ids_ptr, chunk_base_ptr, pstart_ptr, sorted_ptr, N, E, CHUNK_: tl.constexpr,
-                    E_B: tl.constexpr):
+                    E_B: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     c = tl.program_id(0)
     offs = c * CHUNK_ + tl.arange(0, CHUNK_)
     ids, onehot = _onehot(ids_ptr, offs, N, E, E_B)
@@ -272,8 +283,9 @@ def _scatter_kernel(ids_ptr, chunk_base_ptr, pstart_ptr, sorted_ptr, N, E, CHUNK
 
 @triton.jit(do_not_specialize=["N", "max_blocks"])
 def _align_one_program_kernel(ids_ptr, block_expert_ptr, sorted_ptr, N, E, max_blocks, BLOCK_M: tl.constexpr,
-                              E_B: tl.constexpr, CHUNK_: tl.constexpr, B_CHUNK: tl.constexpr):
+                              E_B: tl.constexpr, CHUNK_: tl.constexpr, B_CHUNK: tl.constexpr, PDL: tl.constexpr):
     """The three kernels above in one program, for N <= CHUNK pairs (decode): one launch, not three."""
+    pdl_wait(PDL)
     offs = tl.arange(0, CHUNK_)
     ids, onehot = _onehot(ids_ptr, offs, N, E, E_B)
     e = tl.arange(0, E_B)
@@ -323,16 +335,16 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
     if N and n_chunks == 1:
         _align_one_program_kernel[(1,)](flat, block_expert, sorted_pairs, N, num_experts, nb, BLOCK_M=block_m,
-                                        E_B=E_B, CHUNK_=CHUNK, B_CHUNK=64, num_warps=4)
+                                        E_B=E_B, CHUNK_=CHUNK, B_CHUNK=64, num_warps=4, **pdl_args(flat))
     elif N:
         counts = torch.empty(n_chunks, E_B, dtype=torch.int32, device=dev)
         chunk_base = torch.empty_like(counts)
         pstart = torch.empty(E_B, dtype=torch.int32, device=dev)
-        _count_kernel[(n_chunks,)](flat, counts, N, num_experts, CHUNK_=CHUNK, E_B=E_B, num_warps=4)
+        _count_kernel[(n_chunks,)](flat, counts, N, num_experts, CHUNK_=CHUNK, E_B=E_B, num_warps=4, **pdl_args(flat))
         _offsets_kernel[(1,)](counts, chunk_base, pstart, block_expert, sorted_pairs, N, num_experts, n_chunks,
-                              nb, BLOCK_M=block_m, E_B=E_B, B_CHUNK=64, C_TILE=16, num_warps=4)
+                              nb, BLOCK_M=block_m, E_B=E_B, B_CHUNK=64, C_TILE=16, num_warps=4, **pdl_args(flat))
         _scatter_kernel[(n_chunks,)](flat, chunk_base, pstart, sorted_pairs, N, num_experts, CHUNK_=CHUNK,
-                                     E_B=E_B, num_warps=4)
+                                     E_B=E_B, num_warps=4, **pdl_args(flat))
     return Alignment(sorted_pairs, block_expert, block_m)
 
 
@@ -438,7 +450,8 @@ def _dot(a, b, acc, a_scale, FP8: tl.constexpr, PREC: tl.constexpr, KIND: tl.con
 def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, h_ptr, sorted_ptr, block_expert_ptr, N, K, I, num_m,
                     shared_id, stride_x, stride_we, stride_wn, stride_se, stride_h, TOP_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    PREC: tl.constexpr, FP8: tl.constexpr, KIND: tl.constexpr):
+                    PREC: tl.constexpr, FP8: tl.constexpr, KIND: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, pair, valid = _block_rows(block_expert_ptr, sorted_ptr, pid_m, N, BLOCK_M)
     if e < 0:
@@ -479,7 +492,8 @@ def _down_kernel(h_ptr, hs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, y_ptr, pw_ptr, 
                  num_m,
                  shared_id, stride_h, stride_we, stride_wn, stride_se, stride_y,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 PREC: tl.constexpr, FP8: tl.constexpr, KIND: tl.constexpr):
+                 PREC: tl.constexpr, FP8: tl.constexpr, KIND: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, pair, valid = _block_rows(block_expert_ptr, sorted_ptr, pid_m, N, BLOCK_M)
     if e < 0:
@@ -511,7 +525,8 @@ def _down_kernel(h_ptr, hs_ptr, w_ptr, sh_ptr, ws_ptr, sh_s_ptr, y_ptr, pw_ptr, 
 
 @triton.jit
 def _combine_kernel(y_ptr, shared_ptr, out_ptr, H, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = cols < H
@@ -649,7 +664,7 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         a, a_scale, w_gate_up, sh_gate_up, s_gate_up, sh_s_gate_up, h, al.sorted_pairs, al.block_expert, N, H, I, num_m,
         shared_id, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), s_gate_up.stride(0), h.stride(0),
         TOP_K=width, BLOCK_M=cu.block_m, BLOCK_N=cu.block_n, BLOCK_K=cu.block_k, GROUP_M=cu.group_m, PREC=prec,
-        FP8=mode, KIND=cu.kind, num_warps=cu.num_warps, num_stages=cu.num_stages)
+        FP8=mode, KIND=cu.kind, num_warps=cu.num_warps, num_stages=cu.num_stages, **pdl_args(x))
 
     if cd.block_m != cu.block_m:
         al = rows_by_expert(local, slots, cd.block_m, partial)
@@ -663,9 +678,10 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         h, h_scale, w_down, sh_down, s_down, sh_s_down, y, weights.reshape(-1), al.sorted_pairs, al.block_expert, N, I, H,
         num_m, shared_id, h.stride(0), w_down.stride(0), w_down.stride(1), s_down.stride(0), y.stride(0),
         BLOCK_M=cd.block_m, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k, GROUP_M=cd.group_m, PREC=prec,
-        FP8=mode, KIND=cd.kind, num_warps=cd.num_warps, num_stages=cd.num_stages)
+        FP8=mode, KIND=cd.kind, num_warps=cd.num_warps, num_stages=cd.num_stages, **pdl_args(x))
 
     block = min(1024, next_pow2(H))
     _combine_kernel[(T, triton.cdiv(H, block))](y, shared if shared is not None else y, out, H, TOP_K=width,
-                                                HAS_SHARED=shared is not None, BLOCK=block, num_warps=4)
+                                                HAS_SHARED=shared is not None, BLOCK=block, num_warps=4,
+                                                **pdl_args(x))
     return out

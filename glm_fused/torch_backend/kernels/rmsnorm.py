@@ -12,15 +12,18 @@ import triton
 import triton.language as tl
 
 from glm_fused.torch_backend.kernels import next_pow2
+from glm_fused.torch_backend.kernels.pdl import pdl_args, pdl_wait
 
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_cols, eps,
                         stride_x, stride_res, stride_out, stride_sum,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait (PDL)
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -29,7 +32,6 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_cols, eps,
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * inv).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -54,5 +56,5 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     if rows:
         _add_rmsnorm_kernel[(rows,)](x2, r2, weight, out, summed, n, eps, x2.stride(0), r2.stride(0),
                                      out.stride(0), summed.stride(0), HAS_RES=residual is not None,
-                                     BLOCK=block, num_warps=min(16, max(1, block // 256)))
+                                     BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl_args(x2))
     return out.view(shape), (summed.view(shape) if residual is not None else x)

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from glm_fused.torch_backend.kernels import next_pow2
+from glm_fused.torch_backend.kernels.pdl import pdl_args, pdl_wait
 
 
 @triton.jit
@@ -20,7 +21,8 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_cs, stride_crow, stride_ch,
                        NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, HALF_B: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, D_B: tl.constexpr, HB: tl.constexpr):
+                       HEAD_DIM: tl.constexpr, D_B: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     Q_BLOCKS: tl.constexpr = (NUM_HEADS + HB - 1) // HB
@@ -79,5 +81,5 @@ def rope_and_store(positions: torch.Tensor, slot_mapping: torch.Tensor, q: torch
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             NUM_HEADS=nh, NUM_KV=nkv, HALF=half, HALF_B=next_pow2(half), HEAD_DIM=D, D_B=next_pow2(D), HB=hb,
-            num_warps=2)
+            num_warps=2, **pdl_args(q))
     return q
