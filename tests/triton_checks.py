@@ -10,6 +10,7 @@ script). The eager maths is what tests/test_model.py proves against transformers
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -560,12 +561,21 @@ CHECKS.update({
 
 
 if __name__ == "__main__":
+    # triton_checks.py [device] [dtype] [claim folder]: with a claim folder, several processes share
+    # the checks, each running those it is first to claim (a file per check; the interpreter test
+    # runs one process per core); the tiny-model checks, the longest, first
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     dt = getattr(torch, sys.argv[2] if len(sys.argv) > 2 else "float32")
+    claims = sys.argv[3] if len(sys.argv) > 3 else None
     if dev == "cpu":
         from glm_fused.torch_backend.kernels import interpreter_numpy2_fix
 
         interpreter_numpy2_fix()
         _interpreter_fp8_fix()
-    for name, fn in CHECKS.items():
-        print(json.dumps({"check": name, **fn(dev, dt)}), flush=True)
+    for name in sorted(CHECKS, key=lambda n: not n.startswith("model")):
+        if claims:
+            try:
+                os.close(os.open(os.path.join(claims, name), os.O_CREAT | os.O_EXCL))
+            except FileExistsError:  # another process has it
+                continue
+        print(json.dumps({"check": name, **CHECKS[name](dev, dt)}), flush=True)
