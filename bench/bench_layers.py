@@ -22,7 +22,9 @@ In one process, on one device, with the same weights in both:
 
 Also checks that every variant computes what transformers' eager layer computes (max relative
 difference of the residual stream after the layer), so a fast wrong layer cannot pass for a
-fast one.
+fast one. ``ours-fp8`` is compared with transformers' layer holding the weights it multiplies
+by (its codes times their scales), so that its error is the fp8 maths', not the weights'
+rounding; its distance to the unquantized layer is reported beside (``vs_unquantized_reference``).
 
 ``python scripts/bench_layers.py`` (defaults: GPU, bf16, prefill 2048, decode 1/8/32/64 at
 context 512, batch 1 also at 256 and 4096); ``--device cpu --config configs/glm-4.5-air-tiny.json --prefill 64 --matmul-n 256 --copy-mib 16
@@ -153,6 +155,23 @@ def build_ours(config, layer_idx: int, dtype, device, seed: int, fused: bool = T
             else:
                 params[name].copy_(p)
     return layer.eval()
+
+
+@torch.no_grad()
+def dequantized(fp8_layer: torch.nn.Module, like: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``like`` (the bf16 layer) holding ``fp8_layer``'s weights as it multiplies by them:
+    each fp8 Linear's codes times its row scales, rounded to the model dtype."""
+    import copy
+
+    from glm_fused.model.ops import Fp8Weight
+    from glm_fused.torch_backend import OPS
+
+    out = copy.deepcopy(like)
+    fp8 = dict(fp8_layer.named_parameters())
+    for name, p in out.named_parameters():
+        if fp8[name].dtype == torch.float8_e4m3fn:
+            p.copy_(OPS.dequantize_fp8(Fp8Weight(fp8[name], fp8[f"{name}_scale"]), str(p.dtype).removeprefix("torch.")))
+    return out
 
 
 @torch.no_grad()
@@ -373,6 +392,14 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
         res["fp8_floor_ms"] = max(fp8["bytes"] / bw, fp8["flop"] / args.fp8_matrix_rate) * 1e3
     iters = args.iters if step != "prefill" else max(2, args.iters // 2)
     outputs = {}
+    fp8_reference = None
+    if "fp8-reference" in layers and "ours-fp8" in args.impls:
+        hf_fp8 = layers["fp8-reference"]
+        if kind == "moe":
+            hf_fp8.mlp.config._experts_implementation = "eager"
+        with torch.inference_mode():
+            fp8_reference = hf_fp8(hf_x, attention_mask=None, position_ids=position_ids, use_cache=True,
+                                   position_embeddings=pe, **{kw: hf_cache()}).reshape(T, H)
     # transformers first: its eager output is the reference every variant is compared with
     order = [i for i in args.impls if i in HF_EXPERTS] + [i for i in args.impls if i in OURS]
     for impl in order:
@@ -403,7 +430,12 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
                                   position_embeddings=pe, **{kw: c})
                     entry["ms"] = time_ms(fn, device, args.warmup, iters)
                 entry["x_floor"] = entry["ms"] / res["fp8_floor_ms" if impl == "ours-fp8" else "floor_ms"]
-                if impl != REFERENCE and REFERENCE in outputs:
+                if impl == "ours-fp8" and fp8_reference is not None:
+                    # against transformers on the same (rounded) weights; the rounding's own cost beside it
+                    entry["vs_reference"] = _rel(outputs[impl], fp8_reference)
+                    if REFERENCE in outputs:
+                        entry["vs_unquantized_reference"] = _rel(outputs[impl], outputs[REFERENCE])
+                elif impl != REFERENCE and REFERENCE in outputs:
                     entry["vs_reference"] = _rel(outputs[impl], outputs[REFERENCE])
         except Exception as exc:  # one implementation failing must not hide the others
             entry["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
@@ -503,6 +535,9 @@ def run(args) -> dict:
         hf = rotary = None
         if any(i in HF_EXPERTS for i in args.impls):
             hf, rotary, _ = build_hf(config, layer_idx, layers[True], dtype, device)
+            if "fp8" in layers:  # ours-fp8's reference: transformers on the weights the fp8 layer holds
+                layers["fp8-reference"], _, _ = build_hf(config, layer_idx, dequantized(layers["fp8"], layers[True]),
+                                                         dtype, device)
         print(f"built the {kind} layer (index {layer_idx}) in {time.perf_counter() - t0:.1f} s", flush=True)
         for step in steps:
             case = run_case(config, kind, step, layers, hf, rotary, args, device, dtype)
@@ -559,7 +594,8 @@ def print_table(out: dict) -> None:
           "max|transformers eager| of the layer's output stream. ours = Triton kernels + CUDA graph (decode), "
           "ours-eager = same kernels without the graph, ours-unfused = classic layout, ours-v0 = the first "
           "version (eager PyTorch, expert loop)" + ("; ours-fp8 = ours with fp8 weights, its x floor against the fp8 "
-                                                    "floor (weights at 1 byte, fp8 matrix rate)" if fp8 else ""),
+                                                    "floor (weights at 1 byte, fp8 matrix rate), its max rel against "
+                                                    "transformers holding the rounded weights" if fp8 else ""),
           flush=True)
 
 

@@ -80,7 +80,9 @@ def test_bench_layers_runs_and_layers_agree(cuda, tmp_path):
             cmp = case["impls"][impl]["vs_reference"]
             assert not cmp["nan"]
             assert cmp["row_rel_p50"] <= 2e-2, (case["layer"], case["step"], impl, cmp)
-        fp8 = case["impls"]["ours-fp8"]  # the same weights quantized per row, activations per token
+        # the same weights quantized per row, activations per token; compared with transformers
+        # holding the rounded weights (the rounding's own cost is fp8_accuracy's rule 2)
+        fp8 = case["impls"]["ours-fp8"]
         assert fp8["ms"] > 0 and case["fp8_floor_ms"] < case["floor_ms"] and not fp8["vs_reference"]["nan"]
         assert fp8["vs_reference"]["row_rel_p50"] <= 5e-2, (case["layer"], case["step"], fp8)
 
