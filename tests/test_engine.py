@@ -14,6 +14,7 @@ import hashlib
 import math
 import queue
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -27,6 +28,12 @@ from glm_fused.runner import StepOutput, StepResult
 
 VOCAB = 64
 BLOCK = 4  # small blocks: short test prompts still span several
+
+
+class _HostClock:
+    @staticmethod
+    def elapsed(start: float, end: float) -> float:
+        return end - start
 
 
 class FakeRunner:
@@ -51,7 +58,9 @@ class FakeRunner:
             self.forward(batch)
             return StepResult(lambda: None)
         rows = np.concatenate([sampling.prompt_rows, batch.logits_indices if sample else sampling.prompt_rows[:0]])
+        start = time.perf_counter()
         logits = self.forward(dataclasses.replace(batch, logits_indices=rows))
+        marks = (start, time.perf_counter())  # the "device time" of this step: the fake's forward
         out = StepOutput(None)
         if sample:
             out.tokens = sampling.sample_on_host(logits[P:])
@@ -60,7 +69,7 @@ class FakeRunner:
                 out.logprobs = logprobs_on_host(logits[P:], out.tokens, sampling.logprobs)
         if P:
             out.prompt_logprobs = logprobs_on_host(logits[:P], sampling.prompt_targets, sampling.prompt_logprobs)
-        return StepResult(lambda: out)
+        return StepResult(lambda: out, marks, _HostClock)
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         self.batches.append(batch)

@@ -673,6 +673,9 @@ def test_bench_serve_paged_cache_checks(fake_server, tmp_path, capsys):
     result = json.loads(out.read_text())["results"][0]
     assert result["pairs"] == 3 and len(result["ttft_cached_ms"]) == 3 and result["ratio"] > 0
     assert result["prefix_cache_hits"] == 3 * 32  # each cached request: the prefix's 2 full blocks of 16
+    # each request's forward steps as the device ran them, from /metrics: the floor of its TTFT
+    assert 0 < result["device_cached_median_ms"] <= result["ttft_cached_median_ms"]
+    assert 0 < result["device_uncached_median_ms"] <= result["ttft_uncached_median_ms"]
     flags = ["--url", url, "--num-requests", "12", "--concurrency", "4", "--input-len", "5", "--output-len", "50",
              "--warmup", "0"]
     assert bench_serve.main(flags + ["--min-running", "2", "--json", str(out)]) == 0

@@ -21,7 +21,7 @@ def fake_engine(**overrides):
     kv = {"prefix_cache_queries": 500, "prefix_cache_hits": 320, "num_preemptions": 2}
     engine = SimpleNamespace(num_running=3, num_waiting=2, kv_cache_stats=lambda: {**kv, "usage": engine.num_running / 8},
                              num_steps=11, num_forward_tokens=123, forward_seconds=0.75,
-                             num_decode_steps=9, decode_device_seconds=0.25,
+                             num_decode_steps=9, decode_device_seconds=0.25, device_seconds=0.5,
                              fusion_totals={"fused_allreduce_norm_calls": 40, "plain_allreduce_calls": 0,
                                             "fused_impl:flashinfer": 30, "fused_impl:reference": 10,
                                             f"fallback_reasons:{REASON}": 6, "fallback_reasons:tp 3": 4})
@@ -56,7 +56,8 @@ def test_page_parses_and_names_mirror_vllm():
         "glm_fused:e2e_request_latency_seconds": "histogram", "glm_fused:request_errors": "counter",
         "glm_fused:engine_steps": "counter", "glm_fused:engine_step_tokens": "counter",
         "glm_fused:engine_forward_seconds": "counter", "glm_fused:engine_decode_steps": "counter",
-        "glm_fused:engine_decode_device_seconds": "counter", "glm_fused:prefix_cache_queries": "counter",
+        "glm_fused:engine_decode_device_seconds": "counter", "glm_fused:engine_device_seconds": "counter",
+        "glm_fused:prefix_cache_queries": "counter",
         "glm_fused:prefix_cache_hits": "counter", "glm_fused:num_preemptions": "counter", "glm_fused:fused_allreduce_calls": "counter",
         "glm_fused:plain_allreduce_calls": "counter", "glm_fused:fused_allreduce_fallbacks": "counter",
     }

@@ -118,6 +118,7 @@ class LLMEngine:
         # the device ran them. Their ratio is the time per output token the engine is held to.
         self.num_decode_steps = 0
         self.decode_device_seconds = 0.0
+        self.device_seconds = 0.0  # the same, over every step
         self.fusion_totals: dict[str, int] = {}
 
     # ---- requests ------------------------------------------------------------------------
@@ -245,9 +246,11 @@ class LLMEngine:
         out = result()  # waits for that step's results only
         self.forward_seconds += time.perf_counter() - start
         device_seconds = getattr(result, "device_seconds", None)
-        if device_seconds is not None and bool((step.batch.query_lens == 1).all()):
-            self.num_decode_steps += 1
-            self.decode_device_seconds += device_seconds
+        if device_seconds is not None:
+            self.device_seconds += device_seconds
+            if bool((step.batch.query_lens == 1).all()):
+                self.num_decode_steps += 1
+                self.decode_device_seconds += device_seconds
         if scored and out is not None and out.prompt_logprobs is not None:
             chosen, ids, values = out.prompt_logprobs
             at = 0

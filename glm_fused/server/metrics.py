@@ -43,7 +43,7 @@ class _EngineTotals:
         self.lock = threading.Lock()
         self.steps = self.step_tokens = self.decode_steps = 0
         self.prefix_queries = self.prefix_hits = self.preemptions = 0
-        self.forward_seconds = self.decode_device_seconds = 0.0
+        self.forward_seconds = self.decode_device_seconds = self.device_seconds = 0.0
         self.fused_by_impl: dict[str, int] = {}
         self.plain = 0
         self.fallbacks: dict[str, int] = {}
@@ -62,6 +62,8 @@ class _EngineTotals:
                        ("engine_decode_device_seconds", "Device time of those steps' forward and LM head "
                                                         "(the bound of the time per output token).",
                         self.decode_device_seconds),
+                       ("engine_device_seconds", "Device time of every step's forward and LM head.",
+                        self.device_seconds),
                        ("plain_allreduce_calls", "Plain all-reduces on rank 0 (zero in the fused layout).",
                         self.plain)]
             labelled = [("fused_allreduce_calls", "Fused all-reduce + residual-add + RMSNorm calls on rank 0, "
@@ -151,6 +153,7 @@ class ServerMetrics:
             totals.steps, totals.step_tokens = engine.num_steps, engine.num_forward_tokens
             totals.forward_seconds = engine.forward_seconds
             totals.decode_steps, totals.decode_device_seconds = engine.num_decode_steps, engine.decode_device_seconds
+            totals.device_seconds = engine.device_seconds
             totals.prefix_queries, totals.prefix_hits = kv["prefix_cache_queries"], kv["prefix_cache_hits"]
             totals.preemptions = kv["num_preemptions"]
             totals.fused_by_impl, totals.plain, totals.fallbacks = fused, plain, fallbacks
