@@ -54,6 +54,10 @@ class StepResult:
         return self._fetch()
 
     @property
+    def timed(self) -> bool:
+        return self._marks is not None
+
+    @property
     def device_seconds(self) -> float | None:
         return None if self._marks is None else self._F.elapsed(*self._marks)
 
@@ -242,8 +246,8 @@ class ModelRunner:
                 rows = np.concatenate([prompt_rows, batch.logits_indices if sample else prompt_rows[:0]])
                 forward = dataclasses.replace(batch, logits_indices=rows)
             hidden = self._hidden(forward)
-            if not sample and not P:
-                return StepResult(lambda: None)
+            if not sample and not P:  # a prompt chunk: nothing to fetch, its device time still counted
+                return StepResult(lambda: None, (start, F.mark(self.device)), F)
             logits = self.model.compute_logits(hidden, dst=0)
             marks = (start, F.mark(self.device))
             rank0 = self.comm.rank == 0

@@ -119,6 +119,7 @@ class LLMEngine:
         self.num_decode_steps = 0
         self.decode_device_seconds = 0.0
         self.device_seconds = 0.0  # the same, over every step
+        self._untimed: list = []  # prompt chunks' results, timed with the next step that returns tokens
         self.fusion_totals: dict[str, int] = {}
 
     # ---- requests ------------------------------------------------------------------------
@@ -245,12 +246,15 @@ class LLMEngine:
         start = time.perf_counter()
         out = result()  # waits for that step's results only
         self.forward_seconds += time.perf_counter() - start
-        device_seconds = getattr(result, "device_seconds", None)
-        if device_seconds is not None:
-            self.device_seconds += device_seconds
-            if bool((step.batch.query_lens == 1).all()):
-                self.num_decode_steps += 1
-                self.decode_device_seconds += device_seconds
+        if getattr(result, "timed", False):
+            if out is None:  # a prompt chunk: timed once a later step's results are in (no wait here)
+                self._untimed.append(result)
+            else:
+                self.device_seconds += sum(r.device_seconds for r in self._untimed) + result.device_seconds
+                self._untimed.clear()
+                if bool((step.batch.query_lens == 1).all()):
+                    self.num_decode_steps += 1
+                    self.decode_device_seconds += result.device_seconds
         if scored and out is not None and out.prompt_logprobs is not None:
             chosen, ids, values = out.prompt_logprobs
             at = 0
