@@ -287,10 +287,12 @@ class ModelRunner:
         """Normed hidden states of the logits rows: a replayed decode graph, or the eager forward."""
         F = self.F
         if self.graphs is not None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch)  # a row per token
+            rows = None
             if not np.array_equal(batch.logits_indices, np.arange(batch.num_tokens)):
-                hidden = F.index_rows(hidden, F.tensor(batch.logits_indices, like=hidden))
-            return hidden
+                # uploaded before the replay: a plain copy after it would wait for the whole graph
+                rows = F.upload(batch.logits_indices, self.model.embed_tokens.weight)
+            hidden = self.graphs.run(batch)  # a row per token
+            return hidden if rows is None else F.index_rows(hidden, rows)
         like = self.model.embed_tokens.weight
         ids = F.tensor(batch.input_ids, like)
         if (batch.input_ids < 0).any():  # placeholders: the tokens the last step sampled
