@@ -44,6 +44,7 @@ class FakeRunner:
         self.cache = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self.block_size, self.vocab = block_size, vocab
         self.batches: list[ForwardBatch] = []
+        self.step_seconds: list[float] = []
         self._last_sampled: dict[int, int] = {}
 
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch | None = None, *, sample: bool = True):
@@ -54,13 +55,15 @@ class FakeRunner:
             ids = np.array([last[int(r)] if t < 0 else t for t, r in zip(batch.input_ids, rows)])
             batch = dataclasses.replace(batch, input_ids=ids)
         P = len(sampling.prompt_rows)
+        start = time.perf_counter()
         if not sample and not P:
             self.forward(batch)
-            return StepResult(lambda: None)
+            self.step_seconds.append(time.perf_counter() - start)
+            return StepResult(lambda: None, (start, start + self.step_seconds[-1]), _HostClock)
         rows = np.concatenate([sampling.prompt_rows, batch.logits_indices if sample else sampling.prompt_rows[:0]])
-        start = time.perf_counter()
         logits = self.forward(dataclasses.replace(batch, logits_indices=rows))
-        marks = (start, time.perf_counter())  # the "device time" of this step: the fake's forward
+        self.step_seconds.append(time.perf_counter() - start)  # the "device time" of a step: the fake's forward
+        marks = (start, start + self.step_seconds[-1])
         out = StepOutput(None)
         if sample:
             out.tokens = sampling.sample_on_host(logits[P:])
@@ -395,6 +398,22 @@ def test_eos_and_stop_token_ids_finish_with_stop_unless_ignored():
 
 
 # ---- scheduler -----------------------------------------------------------------------------
+def test_device_time_counts_every_step_prompt_chunks_included():
+    """engine.device_seconds (/metrics' engine_device_seconds) sums every step's device time:
+    a prompt chunk's, which has no tokens to wait for, is added once a later step's are in;
+    decode_device_seconds keeps the decode-only steps."""
+    engine, runner = make_engine(budget=8)
+    engine.add_request("a", list(range(1, 21)), greedy(3))  # 20 tokens in chunks of 8: 2 steps sample nothing
+    while engine.has_unfinished():
+        engine.step()
+    chunks = [b for b in runner.batches if int(b.query_lens.max()) > 1]
+    assert len(chunks) == 3 and len(runner.step_seconds) == len(runner.batches)
+    assert engine.device_seconds == pytest.approx(sum(runner.step_seconds), rel=1e-9)
+    assert engine.num_decode_steps == 2  # tokens 2 and 3
+    decodes = [t for t, b in zip(runner.step_seconds, runner.batches) if int(b.query_lens.max()) == 1]
+    assert engine.decode_device_seconds == pytest.approx(sum(decodes), rel=1e-9)
+
+
 def test_chunked_prefill_respects_budget_and_joins_between_steps():
     sched = Scheduler(settings(2, 64, 8))
     a = Sequence("a", list(range(20)), greedy())
