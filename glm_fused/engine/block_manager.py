@@ -32,8 +32,10 @@ import numpy as np
 
 
 def block_hash(parent: bytes, tokens) -> bytes:
-    """The key of a full block: its tokens chained to the key of the block before it."""
-    return hashlib.sha256(parent + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
+    """The key of a full block: its tokens (or their int64 bytes) chained to the key of the
+    block before it."""
+    data = tokens if isinstance(tokens, bytes) else np.asarray(tokens, dtype=np.int64).tobytes()
+    return hashlib.sha256(parent + data).digest()
 
 
 class Block:
@@ -83,9 +85,12 @@ class BlockManager:
         """The chained hashes of the sequence's first ``num_blocks`` full blocks (kept on the
         sequence: its tokens never change, so they are computed once)."""
         hashes, size = seq.block_hashes, self.block_size
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            hashes.append(block_hash(hashes[-1] if hashes else b"", seq.token_ids(i * size, (i + 1) * size)))
+        first = len(hashes)
+        if first < num_blocks:  # the new blocks' tokens as bytes at once, not a list and an array per block
+            data = np.asarray(seq.token_ids(first * size, num_blocks * size), dtype=np.int64).tobytes()
+            width = 8 * size
+            for at in range(0, len(data), width):
+                hashes.append(block_hash(hashes[-1] if hashes else b"", data[at:at + width]))
         return hashes[:num_blocks]
 
     def cached_prefix(self, seq) -> list[int]:
