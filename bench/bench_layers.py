@@ -391,15 +391,17 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
         res["fp8_bytes"] = fp8["bytes"]
         res["fp8_floor_ms"] = max(fp8["bytes"] / bw, fp8["flop"] / args.fp8_matrix_rate) * 1e3
     iters = args.iters if step != "prefill" else max(2, args.iters // 2)
+
+    def hf_forward(layer, cache):  # a transformers layer on the step's input, over ``cache``
+        return layer(hf_x, attention_mask=None, position_ids=position_ids, use_cache=True, position_embeddings=pe,
+                     **{kw: cache})
+
     outputs = {}
     fp8_reference = None
     if "fp8-reference" in layers and "ours-fp8" in args.impls:
-        hf_fp8 = layers["fp8-reference"]
-        if kind == "moe":
-            hf_fp8.mlp.config._experts_implementation = "eager"
+        layers["fp8-reference"].mlp.config._experts_implementation = "eager"
         with torch.inference_mode():
-            fp8_reference = hf_fp8(hf_x, attention_mask=None, position_ids=position_ids, use_cache=True,
-                                   position_embeddings=pe, **{kw: hf_cache()}).reshape(T, H)
+            fp8_reference = hf_forward(layers["fp8-reference"], hf_cache()).reshape(T, H)
     # transformers first: its eager output is the reference every variant is compared with
     order = [i for i in args.impls if i in HF_EXPERTS] + [i for i in args.impls if i in OURS]
     for impl in order:
@@ -420,14 +422,11 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
                         entry["ms"] = time_ms(fn, device, args.warmup, iters)
                 else:
                     hf.mlp.config._experts_implementation = HF_EXPERTS[impl] if kind == "moe" else "eager"
-                    outputs[impl] = hf(hf_x, attention_mask=None, position_ids=position_ids, use_cache=True,
-                                       position_embeddings=pe, **{kw: hf_cache()}).reshape(T, H)
+                    outputs[impl] = hf_forward(hf, hf_cache()).reshape(T, H)
                     timed_cache = hf_cache()  # grows by one token per decode call: < 3% of the context
 
                     def fn(cache=timed_cache):
-                        c = cache if step != "prefill" else hf_cache()  # prefill: a fresh, empty cache
-                        return hf(hf_x, attention_mask=None, position_ids=position_ids, use_cache=True,
-                                  position_embeddings=pe, **{kw: c})
+                        return hf_forward(hf, cache if step != "prefill" else hf_cache())  # prefill: a fresh cache
                     entry["ms"] = time_ms(fn, device, args.warmup, iters)
                 entry["x_floor"] = entry["ms"] / res["fp8_floor_ms" if impl == "ours-fp8" else "floor_ms"]
                 if impl == "ours-fp8" and fp8_reference is not None:

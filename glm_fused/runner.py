@@ -285,15 +285,14 @@ class ModelRunner:
 
     def _hidden(self, batch: ForwardBatch):
         """Normed hidden states of the logits rows: a replayed decode graph, or the eager forward."""
-        F = self.F
+        F, like = self.F, self.model.embed_tokens.weight
         if self.graphs is not None and self.graphs.can_run(batch):
             rows = None
             if not np.array_equal(batch.logits_indices, np.arange(batch.num_tokens)):
                 # uploaded before the replay: a plain copy after it would wait for the whole graph
-                rows = F.upload(batch.logits_indices, self.model.embed_tokens.weight)
+                rows = F.upload(batch.logits_indices, like)
             hidden = self.graphs.run(batch)  # a row per token
             return hidden if rows is None else F.index_rows(hidden, rows)
-        like = self.model.embed_tokens.weight
         ids = F.tensor(batch.input_ids, like)
         if (batch.input_ids < 0).any():  # placeholders: the tokens the last step sampled
             token_rows = F.tensor(np.repeat(batch.rows, batch.query_lens), like)
