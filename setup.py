@@ -38,6 +38,8 @@ setup(
         # triton: its CPU interpreter runs the GPU kernels in the tests (tests/test_triton_kernels.py).
         "test": ["pytest>=8", "pytest-timeout>=2.3", "torch==2.13.0", "transformers>=5.0", "triton==3.6.0",
                  "openai>=1.30", "httpx>=0.27", "xgrammar>=0.2.9", "jsonschema>=4.0",
+                 # aiohttp: bench_serve's client (bench/bench_serve.py), run by the server tests.
+                 "aiohttp>=3.9",
                  # lm-evaluation-harness against the tiny server (tests/test_lm_eval.py); pinned:
                  # its OpenAI-API client and result layout change between releases.
                  "lm_eval[api]==0.4.13"],
