@@ -434,6 +434,42 @@ def test_preprocess_pool_restarts_a_dead_worker():
     assert not any(alive(p) for p in pids)
 
 
+@pytest.mark.timeout(120)
+def test_token_id_completions_are_prepared_in_place():
+    """A small completion of token ids is prepared on the event loop (answered while the worker
+    is stopped), exactly as a worker prepares it; text still goes to the worker."""
+    from glm_fused.server.errors import ApiError
+    from glm_fused.server.preprocess_pool import PreprocessPool
+    from glm_fused.tiny import ensure_tiny_checkpoint
+
+    pool = PreprocessPool({"model_name": MODEL, "max_model_len": 256, "vocab_size": 1024,
+                           "tokenizer_dir": str(ensure_tiny_checkpoint())}, workers=1)
+    pool.start()
+    ids = {"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 3, "echo": True, "logprobs": 1, "stop": ["x"]}
+
+    async def prepare(body, timeout=30.0):
+        return await asyncio.wait_for(pool.prepare("completion", json.dumps(body).encode()), timeout)
+
+    try:
+        assert asyncio.run(prepare({"prompt": "hello"})).prompts  # the worker is up
+        [pid] = pool.worker_pids()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            here = asyncio.run(prepare(ids))
+            with pytest.raises(ApiError) as info:
+                asyncio.run(prepare({"prompt": [5, 2000]}))
+            assert info.value.status == 400 and info.value.param == "prompt"
+            with pytest.raises(asyncio.TimeoutError):
+                asyncio.run(prepare({"prompt": "hello"}, timeout=0.5))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        pool.inline_max_bytes = 0  # now every request goes to the worker
+        assert asyncio.run(prepare(ids)).to_wire() == here.to_wire()
+        assert here.prompts == [[5, 6, 7], [8, 9]] and here.prompt_texts[0]
+    finally:
+        pool.close()
+
+
 async def _slow_forward_hang_ups(url: str, n: int) -> None:
     """n non-streamed requests on raw connections, closed before any answer."""
     writers = []

@@ -8,6 +8,12 @@ running by then. It loads the tokenizer, says it is ready, then answers one requ
 time over a pair of pipes. A frame is an 8-byte length and that many bytes; a request is a
 JSON header frame and the body; an answer is a JSON header frame and the token ids (int64).
 
+A completion whose prompt is token ids, in a body of at most ``INLINE_MAX_BYTES``, is prepared
+on rank 0's event loop instead: its work is parsing and checks (0.4 ms for 2,080 ids), less
+than a round trip to a worker costs (0.8 ms on an H200 host: two thread hand-offs, two pipe
+writes, a process wake-up), and its time to first token carries that round trip. A text
+prompt always goes to a worker: tokenizing it is the costly part.
+
 On rank 0 each worker has a thread that takes jobs from a shared queue, writes them to its
 pipe and waits for the answer (pipe I/O releases the interpreter lock). A worker that dies
 (killed, out of memory) is started again and the job tried once more on the new one; a job
@@ -44,6 +50,7 @@ logger = logging.getLogger("glm_fused.server")
 JOB_TIMEOUT_S = 120.0      # one request's preprocessing, at most
 ABANDONED_KILL_S = 2.0     # a job whose client left is cut short after this long
 START_TIMEOUT_S = 120.0    # a worker's start-up (imports, tokenizer)
+INLINE_MAX_BYTES = 64 << 10  # token-id completions up to this size are prepared in place (~2 ms at most)
 _POLL_S = 0.25
 _HEADER = struct.Struct("<Q")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -99,20 +106,21 @@ class PreprocessPool:
     """``await pool.prepare(kind, body)`` -> ``Prepared``, or raises ``ApiError``.
 
     ``workers=0`` runs the preprocessor in a thread of this process instead (tests, and
-    anyone who would rather have no extra processes).
+    anyone who would rather have no extra processes). Token-id completions up to
+    ``inline_max_bytes`` are prepared on the calling event loop either way (module docstring).
     """
 
-    def __init__(self, config: dict, workers: int):
+    def __init__(self, config: dict, workers: int, inline_max_bytes: int = INLINE_MAX_BYTES):
         self.config = config  # may be completed until start() (the context limit is settled at load)
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._inline = None
+        self.inline_max_bytes = inline_max_bytes
+        self._local = None  # this process's preprocessor: token-id completions; every request if workers=0
         self._workers = [_Worker(self, i) for i in range(workers)]
         self.restarts = 0
         self.started = False
 
     def start(self) -> None:
-        if not self._workers:
-            self._inline = make_preprocessor(self.config)
+        self._local = make_preprocessor(self.config)
         for w in self._workers:
             w.thread.start()
         self.started = True
@@ -130,8 +138,12 @@ class PreprocessPool:
     async def prepare(self, kind: str, body: bytes) -> Prepared:
         if not self.started:  # requests are answered 503 until the model is loaded; never here
             raise RuntimeError("the preprocessing pool has not been started")
-        if self._inline is not None:
-            return await asyncio.to_thread(self._inline.prepare, kind, body)
+        if kind == "completion" and len(body) <= self.inline_max_bytes:
+            prepared = self._local.prepare_token_ids(body)
+            if prepared is not None:
+                return prepared
+        if not self._workers:
+            return await asyncio.to_thread(self._local.prepare, kind, body)
         job = _Job(kind, body)
         self.jobs.put(job)
         try:
