@@ -641,6 +641,39 @@ def test_generate_with_dummy_weights_and_no_tokenizer(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_stream_starts_once_the_engine_ran_its_step(fake_server):
+    """A stream's response goes out only after the engine took the request and ran a step
+    (the response's start would otherwise compete with the engine for the interpreter lock
+    on the way to the first token): nothing while the engine is held, all of it after."""
+    import asyncio
+
+    url, bridge = fake_server
+    release, step = threading.Event(), bridge.engine.step
+    bridge.engine.step = lambda: (release.wait(20), step())[1]
+    data = json.dumps({"model": "fake", "prompt": [1, 2], "max_tokens": 2, "stream": True}).encode()
+
+    async def run():
+        reader, writer = await asyncio.open_connection(*url.removeprefix("http://").split(":"))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        await writer.drain()
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(reader.readline(), 0.5)
+        finally:
+            release.set()
+        answer = await asyncio.wait_for(reader.read(), 20)
+        writer.close()
+        return answer
+
+    try:
+        answer = asyncio.run(run())
+    finally:
+        release.set()
+    assert answer.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in answer
+
+
+@pytest.mark.timeout(60)
 def test_bench_serve_reports_side_by_side(fake_server, tmp_path, capsys):
     from bench import bench_serve
 
