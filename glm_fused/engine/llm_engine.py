@@ -134,6 +134,10 @@ class LLMEngine:
         """``grammar``: a ``GrammarState`` the output must follow (structured output)."""
         if request_id in self.seqs:
             raise ValueError(f"duplicate request id {request_id!r}")
+        try:  # one array for the checks and the sequence
+            prompt_token_ids = np.asarray(prompt_token_ids, dtype=np.int64)
+        except OverflowError:
+            pass  # check_prompt names the id
         self.check_prompt(prompt_token_ids, params)
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(params, name)
@@ -199,7 +203,8 @@ class LLMEngine:
         launched = None
         if step is not None:
             sampling, scored = self._sampling(step)
-            self._send(CMD_FORWARD, np.concatenate([sampling.to_array(), step.batch.to_array()]))
+            if self.broadcast is not None:  # the other ranks' copy of the step (built only for them)
+                self._send(CMD_FORWARD, np.concatenate([sampling.to_array(), step.batch.to_array()]))
             start = time.perf_counter()
             result = self.runner.execute(step.batch, sampling, sample=sampling.num_rows > 0)
             self.forward_seconds += time.perf_counter() - start

@@ -25,7 +25,7 @@ class Sequence:
         """``sampling_seed``: the seed of the draws (default: the request's own, else fresh);
         ``grammar``: a ``glm_fused.engine.structured.GrammarState`` its tokens must follow;
         ``stop_ids``: the ids that end it (EOS, ``stop_token_ids``), which ``min_tokens`` holds back."""
-        if not prompt_token_ids:
+        if len(prompt_token_ids) == 0:
             raise ValueError("empty prompt")
         self.request_id = request_id
         try:  # plain ints, in a third of the time of int() per id
