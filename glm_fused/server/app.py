@@ -294,7 +294,7 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
         engine_or_503()
         gone = client_gone(raw.scope)
         body = await read_body(raw)
-        prep = await unless_gone(pool.prepare(kind, body), gone)
+        prep = pool.prepare_now(kind, body) or await unless_gone(pool.prepare_in_worker(kind, body), gone)
         del body
         states = None
         if prep.grammar is not None:

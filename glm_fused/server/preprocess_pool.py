@@ -135,13 +135,21 @@ class PreprocessPool:
     def worker_pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers if w.proc is not None and w.proc.poll() is None]
 
-    async def prepare(self, kind: str, body: bytes) -> Prepared:
+    def prepare_now(self, kind: str, body: bytes) -> Prepared | None:
+        """The request prepared here and now if it is a small token-id completion, else None
+        (``prepare_in_worker`` then). Raises ``ApiError`` as ``prepare`` does."""
         if not self.started:  # requests are answered 503 until the model is loaded; never here
             raise RuntimeError("the preprocessing pool has not been started")
         if kind == "completion" and len(body) <= self.inline_max_bytes:
-            prepared = self._local.prepare_token_ids(body)
-            if prepared is not None:
-                return prepared
+            return self._local.prepare_token_ids(body)
+        return None
+
+    async def prepare(self, kind: str, body: bytes) -> Prepared:
+        prepared = self.prepare_now(kind, body)
+        return prepared if prepared is not None else await self.prepare_in_worker(kind, body)
+
+    async def prepare_in_worker(self, kind: str, body: bytes) -> Prepared:
+        """``prepare`` for a request ``prepare_now`` declined: in a worker (a thread if workers=0)."""
         if not self._workers:
             return await asyncio.to_thread(self._local.prepare, kind, body)
         job = _Job(kind, body)
