@@ -62,6 +62,15 @@ class StepResult:
         return None if self._marks is None else self._F.elapsed(*self._marks)
 
 
+def _run_of(indices: np.ndarray) -> slice | None:
+    """``indices`` as a slice when they are one ascending run (a lone sequence's rows, one
+    logits row): the device indexes by it with no upload."""
+    n = len(indices)
+    if n and int(indices[-1]) - int(indices[0]) == n - 1 and (n == 1 or bool(np.all(np.diff(indices) == 1))):
+        return slice(int(indices[0]), int(indices[0]) + n)
+    return None
+
+
 def _fetch_all(tokens, logprobs, prompt_logprobs):
     """One callable that waits for every host copy and gives the ``StepOutput``."""
     def fetch() -> StepOutput:
@@ -238,7 +247,10 @@ class ModelRunner:
         with F.no_grad():
             like = self.model.embed_tokens.weight
             # Uploaded before the forward is queued: nothing after it may wait for the device.
-            sampled_rows = F.upload(batch.rows[batch.logits_seq], like) if sample else None
+            sampled_rows = None
+            if sample:
+                rows = batch.rows[batch.logits_seq]
+                sampled_rows = _run_of(rows) or F.upload(rows, like)
             targets = F.upload(sampling.prompt_targets, like) if P else None
             start = F.mark(self.device)
             forward = batch
@@ -287,12 +299,11 @@ class ModelRunner:
         """Normed hidden states of the logits rows: a replayed decode graph, or the eager forward."""
         F, like = self.F, self.model.embed_tokens.weight
         if self.graphs is not None and self.graphs.can_run(batch):
-            rows = None
-            if not np.array_equal(batch.logits_indices, np.arange(batch.num_tokens)):
-                # uploaded before the replay: a plain copy after it would wait for the whole graph
+            rows = _run_of(batch.logits_indices)
+            if rows is None:  # uploaded before the replay: a plain copy after it would wait for the whole graph
                 rows = F.upload(batch.logits_indices, like)
             hidden = self.graphs.run(batch)  # a row per token
-            return hidden if rows is None else F.index_rows(hidden, rows)
+            return hidden[rows] if isinstance(rows, slice) else F.index_rows(hidden, rows)
         ids = F.tensor(batch.input_ids, like)
         if (batch.input_ids < 0).any():  # placeholders: the tokens the last step sampled
             token_rows = F.tensor(np.repeat(batch.rows, batch.query_lens), like)
