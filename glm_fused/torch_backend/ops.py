@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import zlib
 
 import numpy as np
@@ -65,55 +64,14 @@ def counter_uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return (_shr(x, 11).double() + 0.5) / float(1 << 53)
 
 
-class _Staging:
-    """Page-locked buffers for the small uploads of the engine's steps, used in turn.
-
-    By hand rather than ``tensor.pin_memory()`` per upload: that goes through torch's caching
-    host allocator, which checks the event of every pinned block it lent out first; the first
-    upload of a step took 0.35 ms on an H200 host. A slot is written again only once its last
-    copy is done (its event: ``SLOTS`` uploads later, long done in practice)."""
-
-    SLOTS, SLOT_BYTES = 64, 64 << 10
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.pinned: torch.Tensor | None = None
-        self.events: list[torch.cuda.Event | None] = [None] * self.SLOTS
-        self.turn = 0
-
-    def upload(self, host: torch.Tensor, device) -> torch.Tensor | None:
-        """``host`` (a contiguous CPU tensor) on ``device``; None when it is too large for a slot."""
-        nbytes = host.numel() * host.element_size()
-        if nbytes > self.SLOT_BYTES:
-            return None
-        with self.lock:
-            if self.pinned is None:
-                self.pinned = torch.empty((self.SLOTS, self.SLOT_BYTES), dtype=torch.uint8, pin_memory=True)
-            i, self.turn = self.turn, (self.turn + 1) % self.SLOTS
-            event = self.events[i]
-            if event is None:
-                event = self.events[i] = torch.cuda.Event()
-            else:
-                event.synchronize()
-            slot = self.pinned[i, :nbytes].view(host.dtype).view(host.shape)
-            slot.copy_(host)
-            out = slot.to(device, non_blocking=True)
-            event.record()
-        return out
-
-
-_STAGING = _Staging()
-
-
 def _on(array: np.ndarray, device) -> torch.Tensor:
     """A small host array on ``device`` without waiting for the device's queue: through
-    page-locked memory (``_Staging``), since a copy from pageable memory would wait for the
-    step in flight."""
+    page-locked memory (torch's caching host allocator keeps the block until the copy is done),
+    since a copy from pageable memory would wait for the step in flight."""
     host = torch.from_numpy(np.ascontiguousarray(array))
     if torch.device(device).type != "cuda":
         return host.to(device)
-    staged = _STAGING.upload(host, device)
-    return staged if staged is not None else host.pin_memory().to(device, non_blocking=True)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class TorchOps(Ops):
