@@ -197,7 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
     pool = PreprocessPool({"model_name": args.served_model_name, "vocab_size": config.vocab_size,
                            "options": options, "chat_template": args.chat_template,
                            "tokenizer_dir": args.model_dir if tokenizer is not None else None},
-                          workers=args.preprocess_workers)
+                          workers=args.preprocess_workers, tokenizer=tokenizer)
     grammars = None
     if tokenizer is not None:
         from glm_fused.engine.structured import StructuredOutputs

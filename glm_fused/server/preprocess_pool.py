@@ -56,12 +56,12 @@ _HEADER = struct.Struct("<Q")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def make_preprocessor(config: dict) -> RequestPreprocessor:
+def make_preprocessor(config: dict, tokenizer=None) -> RequestPreprocessor:
     """The preprocessor a worker runs; ``config``: model_name, max_model_len, vocab_size,
     tokenizer_dir (None: token-id prompts only), chat_template (a file replacing the
-    checkpoint's, or None) and options (``RequestPreprocessor``'s)."""
-    tokenizer = None
-    if config.get("tokenizer_dir"):
+    checkpoint's, or None) and options (``RequestPreprocessor``'s). ``tokenizer``: one already
+    loaded from that directory and template (rank 0's), instead of loading it again."""
+    if tokenizer is None and config.get("tokenizer_dir"):
         from glm_fused.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(config["tokenizer_dir"], chat_template=config.get("chat_template"))
@@ -110,8 +110,11 @@ class PreprocessPool:
     ``inline_max_bytes`` are prepared on the calling event loop either way (module docstring).
     """
 
-    def __init__(self, config: dict, workers: int, inline_max_bytes: int = INLINE_MAX_BYTES):
+    def __init__(self, config: dict, workers: int, inline_max_bytes: int = INLINE_MAX_BYTES, tokenizer=None):
+        """``tokenizer``: rank 0's, loaded from ``config``'s directory and template, for this
+        process's preprocessor (None: it loads its own)."""
         self.config = config  # may be completed until start() (the context limit is settled at load)
+        self.tokenizer = tokenizer
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.inline_max_bytes = inline_max_bytes
         self._local = None  # this process's preprocessor: token-id completions; every request if workers=0
@@ -120,7 +123,7 @@ class PreprocessPool:
         self.started = False
 
     def start(self) -> None:
-        self._local = make_preprocessor(self.config)
+        self._local = make_preprocessor(self.config, self.tokenizer)
         for w in self._workers:
             w.thread.start()
         self.started = True
