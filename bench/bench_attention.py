@@ -12,8 +12,14 @@ call and the paged / contiguous ratio (the target: at most 1.1x).
 kernel (``kernels/prefill_attention.py``) and through the per-sequence path it replaces for
 short prompts (gather the blocks, then torch's SDPA), timed eagerly as prompt steps run.
 
+``--chunks``: also prompt chunks as the CUDA graphs replay them, a row per token over the
+chunk's sequence (``CONTEXT:ROWS``: ROWS new tokens after CONTEXT cached ones; ``:N:C`` adds N
+decodes of C keys beside it), through the decode kernel one program per row and with the
+chunk's rows grouped (``lead``), timed as served; prints grouped / per row.
+
     python scripts/bench_attention.py                       # GPU: batch 1/8/32/64 x context 512..4096
     python scripts/bench_attention.py --prompt-lens 128,512,1024,2048,4096
+    python scripts/bench_attention.py --batches 1 --contexts 512 --chunks 2048:32,512:32,0:32,1024:32:32:1024
     python scripts/bench_attention.py --device cpu --dry-run   # Triton's CPU interpreter, tiny sizes
 """
 
@@ -46,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=50, help="timed replays per case")
     p.add_argument("--prompt-lens", default=None,
                    help="also time one fresh prompt of each length: batched kernel vs gather + SDPA (block 16)")
+    p.add_argument("--chunks", default=None,
+                   help="also prompt chunks replayed as rows, CONTEXT:ROWS[:DECODES:DECODE_CONTEXT],...: "
+                        "per-row vs grouped decode kernel (block 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results to this file")
     return p
@@ -160,6 +169,54 @@ def prompt_case(torch, n: int, args, device, dtype, page: int = 16) -> dict:
             "max_rel_diff": float((a - b).abs().max() / b.abs().max())}
 
 
+def _chunk_specs(text: str) -> list[tuple[int, int, int, int]]:
+    specs = []
+    for item in text.split(","):
+        try:
+            parts = [int(x) for x in item.split(":")]
+        except ValueError:
+            parts = []
+        if len(parts) not in (2, 4) or min(parts) < 0 or parts[1] < 1 or (len(parts) == 4 and parts[3] < 1):
+            raise UserError(f"--chunks {item!r}: CONTEXT:ROWS or CONTEXT:ROWS:DECODES:DECODE_CONTEXT "
+                            f"(ROWS and DECODE_CONTEXT at least 1)")
+        specs.append(tuple(parts) if len(parts) == 4 else (*parts, 0, 1))
+    return specs
+
+
+def chunk_case(torch, kernels, spec, args, device, dtype, page: int = 16) -> dict:
+    """A chunk of ROWS tokens after CONTEXT cached ones (and DECODES decodes beside it), a row
+    per token: one program per row, then the chunk's rows grouped; over enough layers' caches
+    that a replay does not run from L2."""
+    import numpy as np
+
+    context, n, decodes, decode_context = spec
+    g = torch.Generator(device="cpu").manual_seed(args.seed + context + n)
+    H, KV, D = args.heads, args.kv_heads, args.head_dim
+    seq = np.r_[np.arange(decodes), np.full(n, decodes)]  # the decodes' sequences, then the chunk's
+    lens = np.r_[np.full(decodes, decode_context), np.arange(context + 1, context + n + 1)]
+    width = -(-int(lens.max()) // page)
+    num_blocks = (decodes + 1) * width
+    per_layer = 2 * num_blocks * page * KV * D * (2 if dtype == torch.bfloat16 else 4)
+    layers = 1 if args.dry_run else max(1, min(MAX_LAYERS, -(-L2_FLUSH_BYTES // per_layer)))
+    caches = [[torch.randn(num_blocks, page, KV, D, generator=g).to(device, dtype) for _ in range(2)]
+              for _ in range(layers)]
+    perm = torch.randperm(num_blocks, generator=g).view(decodes + 1, width).to(torch.int32)
+    tables = perm[torch.as_tensor(seq)].to(device)
+    q = torch.randn(len(seq), H, D, generator=g).to(device, dtype)
+    seq_lens = torch.as_tensor(lens, device=device)
+    lead = torch.as_tensor(kernels.row_groups(seq), device=device)
+    scale = D ** -0.5
+    a = kernels.decode_attention(q, *caches[0], tables, seq_lens, scale).float()
+    b = kernels.decode_attention(q, *caches[0], tables, seq_lens, scale, lead=lead).float()
+    row = {"context": context, "rows": n, "decodes": decodes, "decode_context": decode_context,
+           "max_rel_diff": float((a - b).abs().max() / a.abs().max())}
+    row["per_row_us"] = timed(torch, lambda: [kernels.decode_attention(q, k, v, tables, seq_lens, scale)
+                                              for k, v in caches], device, args) / layers
+    row["grouped_us"] = timed(torch, lambda: [kernels.decode_attention(q, k, v, tables, seq_lens, scale, lead=lead)
+                                              for k, v in caches], device, args) / layers
+    return row
+
+
 def format_table(rows: list[dict], pages: list[int]) -> str:
     head = f"{'batch':>5} {'context':>7} {'contiguous us':>14}" + "".join(
         f"{f'paged {p} us':>14}{'ratio':>7}" for p in pages)
@@ -181,12 +238,13 @@ def main(argv=None) -> int:
         batches, contexts = _ints(args.batches, "--batches"), _ints(args.contexts, "--contexts")
         pages = _ints(args.block_sizes, "--block-sizes")
         prompt_lens = _ints(args.prompt_lens, "--prompt-lens") if args.prompt_lens else []
+        chunks = _chunk_specs(args.chunks) if args.chunks else []
         if any(p & (p - 1) for p in pages):
             raise UserError(f"--block-sizes {args.block_sizes}: powers of two")
         if args.dry_run:
             if args.device != "cpu":
                 raise UserError("--dry-run: the tiny sizes are for --device cpu")
-            batches, contexts, pages, prompt_lens = [2], [100], [16, 64], [40]
+            batches, contexts, pages, prompt_lens, chunks = [2], [100], [16, 64], [40], [(70, 9, 0, 1), (40, 5, 2, 30)]
             args.heads, args.kv_heads, args.head_dim, args.dtype = 8, 2, 32, "float32"
         if args.device == "cpu":
             os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
@@ -218,9 +276,16 @@ def main(argv=None) -> int:
         print(f"fresh prompt {r['prompt_len']:>6} tokens: batched kernel {r['kernel_us']:9.1f} us, gather + SDPA "
               f"{r['sdpa_us']:9.1f} us, kernel / SDPA {r['kernel_us'] / r['sdpa_us']:.2f}x, "
               f"largest output difference {r['max_rel_diff']:.1e}")
+    chunk_rows = [chunk_case(torch, kernels, spec, args, device, dtype) for spec in chunks]
+    for r in chunk_rows:
+        beside = f" beside {r['decodes']} decodes of {r['decode_context']}" if r["decodes"] else ""
+        print(f"chunk of {r['rows']:>4} after {r['context']:>6}{beside}: per row {r['per_row_us']:8.1f} us, grouped "
+              f"{r['grouped_us']:8.1f} us, grouped / per row {r['grouped_us'] / r['per_row_us']:.3f}x, "
+              f"largest output difference {r['max_rel_diff']:.1e}")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     print(f"device: {name}; {args.heads} q heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, {args.dtype}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "args": vars(args), "rows": rows, "prompts": prompts}, f, indent=2)
+            json.dump({"device": name, "args": vars(args), "rows": rows, "prompts": prompts, "chunks": chunk_rows},
+                      f, indent=2)
     return 0

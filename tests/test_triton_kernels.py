@@ -155,6 +155,33 @@ def test_fp8_kernels_compile_for_sm90():
                 assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
 
+def test_row_groups_and_when_a_step_replays_them():
+    """Runs of one sequence's rows cut in groups of four (a row alone is a group of one), and
+    the rule that picks the grouped graph: a chunk after >= GROUPED_MIN_CONTEXT cached
+    positions whose rows read at least twice the keys of the step's decodes."""
+    import numpy as np
+
+    from glm_fused.batch import ForwardBatch
+    from glm_fused.torch_backend.cuda_graph import GROUPED_MIN_CONTEXT, DecodeGraphs
+    from glm_fused.torch_backend.kernels.decode_attention import row_groups
+
+    assert row_groups(np.array([7, 3, 3, 3, 3, 3, 3, 9, 2, 2, 2, 2, 2, 2, 2, 2, 2])).tolist() == [
+        1, 4, 0, 0, 0, 2, 0, 1, 4, 0, 0, 0, 4, 0, 0, 0, 1]
+    assert row_groups(np.array([], dtype=np.int64)).tolist() == []
+
+    def step(chunk_context, chunk_len, decode_contexts):
+        ctx = [chunk_context] + list(decode_contexts)
+        q = [chunk_len] + [1] * len(decode_contexts)
+        pos = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, q)])
+        return ForwardBatch(np.zeros(sum(q)), pos, q, ctx, [sum(q) - 1], np.zeros((len(q), 200)))
+
+    c = GROUPED_MIN_CONTEXT
+    assert DecodeGraphs.grouped(step(c, 32, []))
+    assert not DecodeGraphs.grouped(step(c - 1, 32, []))  # a short context: re-read per row is cheaper
+    assert DecodeGraphs.grouped(step(2048, 16, [512] * 8))
+    assert not DecodeGraphs.grouped(step(1024, 32, [1024] * 32))  # the decodes' keys dominate
+
+
 @pytest.fixture(scope="module")
 def cuda():
     if not torch.cuda.is_available():
@@ -248,6 +275,11 @@ def test_attention_kernels_at_air_sizes(cuda):
     res = triton_checks.check_decode_attention("cuda", torch.float32, lens=(3, 100), heads=24, kv_heads=2,
                                                head_dim=128)
     _assert_checks({"decode_attention_fp32": res}, FP32_TOL)
+    for page in (16, 64):  # prompt chunks as rows, grouped (the CUDA graphs' chunk steps)
+        res = triton_checks.check_grouped_decode_attention("cuda", torch.bfloat16, runs=((2048, 32), (700, 1), (0, 5),
+                                                                                         (100, 63)),
+                                                           heads=96, kv_heads=8, head_dim=128, page=page)
+        _assert_checks({f"grouped_decode_attention_page{page}": res}, BF16_TOL)
     for page in (16, 64):  # prompt chunks: fresh, after a cached prefix, a lone decode
         res = triton_checks.check_prefill_attention("cuda", torch.bfloat16, chunks=((0, 512), (2048, 32), (700, 1),
                                                                                     (100, 300)),
@@ -273,6 +305,14 @@ def test_cuda_graph_decode_matches_eager(cuda, monkeypatch, quantization):
                           max_num_batched_tokens=64, load_format="dummy", seed=3, enforce_eager=not graph,
                           block_size=16, num_gpu_blocks_override=24, quantization=quantization).resolve()
 
+    from glm_fused.torch_backend import cuda_graph
+    from glm_fused.torch_backend.kernels.decode_attention import row_groups
+
+    # Chunks after any cached context replay the grouped graphs (by default only after 256
+    # positions, more than this model holds); fresh ones still replay the plain graphs.
+    monkeypatch.setattr(cuda_graph, "GROUPED_MIN_CONTEXT", 1)
+    grouped_steps = []
+    monkeypatch.setattr(cuda_graph, "row_groups", lambda rows: grouped_steps.append(rows) or row_groups(rows))
     config = settings(True).config()
     runners = {graph: ModelRunner(settings(graph), config, tp_rank=0, tp_size=1) for graph in (True, False)}
     assert runners[True].graphs is not None and runners[True].graphs.sizes == [1, 2, 4, 6]
@@ -304,6 +344,8 @@ def test_cuda_graph_decode_matches_eager(cuda, monkeypatch, quantization):
             assert (runner.graphs is not None and runner.graphs.can_run(batch)) == graph
             outs.append(runner.forward(batch))
         logits[graph] = outs
+        if graph:  # the two short-chunk steps
+            assert [r.tolist() for r in grouped_steps] == [[0] * 5, [0, 1, 1, 1, 1]], grouped_steps
         stats = runner.fusion_stats()
         assert stats["fused_allreduce_norm_calls"] == 2 * config.num_hidden_layers + 1, stats
         runner.close()
@@ -363,7 +405,8 @@ def test_no_kernel_compiles_after_start_up(cuda, monkeypatch, tmp_path, quantiza
 @pytest.mark.timeout(300)
 def test_bench_attention_dry_run(tmp_path):
     """scripts/bench_attention.py end to end under the interpreter (tiny sizes): both layouts
-    agree, every block size gets a ratio; a fresh prompt through both prompt paths agrees."""
+    agree, every block size gets a ratio; a fresh prompt through both prompt paths agrees, and
+    prompt chunks as rows, grouped and not."""
     pytest.importorskip("triton")
     out = tmp_path / "attention.json"
     proc = subprocess.run([sys.executable, str(HERE.parent / "scripts" / "bench_attention.py"), "--device", "cpu",
@@ -377,3 +420,6 @@ def test_bench_attention_dry_run(tmp_path):
     # --prompt-lens: the batched prompt kernel and gather + SDPA agree on a fresh prompt
     assert [r["prompt_len"] for r in report["prompts"]] == [40]
     assert report["prompts"][0]["max_rel_diff"] <= FP32_TOL and "gather + SDPA" in proc.stdout
+    # --chunks: a chunk's rows grouped and one program per row agree (alone, and beside decodes)
+    assert [(r["context"], r["rows"], r["decodes"]) for r in report["chunks"]] == [(70, 9, 0), (40, 5, 2)]
+    assert all(r["max_rel_diff"] <= FP32_TOL and r["grouped_us"] > 0 for r in report["chunks"])

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import torch
 
 
@@ -143,6 +144,41 @@ def check_decode_attention(device, dtype, lens=(1, 70, 200, 33), heads=12, kv_he
         if contiguous is not False:
             worst_contiguous = max(worst_contiguous, rel(contiguous[s], ref))
     return {"out": worst, "contiguous": worst_contiguous}
+
+
+def check_grouped_decode_attention(device, dtype, runs=((40, 7), (69, 1), (0, 5), (149, 6)), heads=12, kv_heads=2,
+                                   head_dim=32, page=16, seed=4):
+    """Rows that are prompt chunks' tokens (a run of rows per sequence: (context, rows)), the
+    CUDA graphs' chunk layout: grouped rows (``lead``) against an fp32 reference per row, and
+    the ungrouped kernel on the same rows."""
+    from glm_fused.torch_backend.kernels.decode_attention import decode_attention, row_groups
+
+    g = torch.Generator().manual_seed(seed)
+    width = -(-max(c + n for c, n in runs) // page)
+    S = len(runs)
+    num_blocks = S * width
+    k = torch.randn(num_blocks, page, kv_heads, head_dim, generator=g).to(device, dtype)
+    v = torch.randn(num_blocks, page, kv_heads, head_dim, generator=g).to(device, dtype)
+    perm = torch.randperm(num_blocks, generator=g).view(S, width)  # each sequence's blocks, scattered
+    seq = np.repeat(np.arange(S), [n for _, n in runs])
+    lens = np.concatenate([np.arange(c + 1, c + n + 1) for c, n in runs])  # each row sees keys up to itself
+    q = torch.randn(len(seq), heads, head_dim, generator=g).to(device, dtype)
+    tables = perm[torch.as_tensor(seq)].to(device=device, dtype=torch.int32)
+    seq_lens = torch.as_tensor(lens, device=device)
+    scale = head_dim ** -0.5
+    lead = row_groups(seq, rows=4)
+    grouped = decode_attention(q, k, v, tables, seq_lens, scale, lead=torch.as_tensor(lead, device=device))
+    plain = decode_attention(q, k, v, tables, seq_lens, scale)
+    worst = worst_plain = 0.0
+    for r, (s, n) in enumerate(zip(seq, lens)):
+        blocks = perm[s]
+        keys = k[blocks].reshape(-1, kv_heads, head_dim)[:n].float().repeat_interleave(heads // kv_heads, dim=1)
+        vals = v[blocks].reshape(-1, kv_heads, head_dim)[:n].float().repeat_interleave(heads // kv_heads, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[r].float(), keys) * scale, dim=-1)
+        ref = torch.einsum("hn,nhd->hd", p, vals)
+        worst, worst_plain = max(worst, rel(grouped[r], ref)), max(worst_plain, rel(plain[r], ref))
+    assert lead.sum() == len(seq) and (lead > 0).sum() == sum(-(-n // 4) for _, n in runs), lead  # runs cut in fours
+    return {"out": worst, "ungrouped": worst_plain}
 
 
 def check_prefill_attention(device, dtype, chunks=((0, 5), (0, 70), (37, 1), (9, 3), (64, 64), (130, 20)), heads=12,
@@ -456,6 +492,7 @@ CHECKS = {"add_rmsnorm": check_add_rmsnorm, "silu_and_mul": check_silu_and_mul, 
                                                                          page=4, contiguous=False),
           "decode_attention_page128": lambda d, t: check_decode_attention(d, t, lens=(129, 3), heads=4, kv_heads=1,
                                                                            page=128, contiguous=False),
+          "grouped_decode_attention": check_grouped_decode_attention,
           "prefill_attention": check_prefill_attention,
           "prefill_attention_page4": lambda d, t: check_prefill_attention(d, t, chunks=((3, 9), (0, 66)), heads=4,
                                                                            kv_heads=1, page=4),

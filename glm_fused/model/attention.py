@@ -37,6 +37,8 @@ class AttentionMetadata:
     block_tables: Any = None      # all query_len == 1: [S, W] each sequence's blocks (padding 0)
     seq_lens: Any = None          # all query_len == 1: keys each query sees [S]
     decode_mask: Any = None       # S > 1 decodes, plain-ops path: [S, 1, 1, max_len] visible keys
+    row_groups: Any = None        # decode-kernel rows that are a prompt chunk's tokens: [S] groups of
+                                  # one sequence's consecutive rows (kernels/decode_attention.py)
     # A step that mixes decodes with prompt chunks, on a backend with a batched prompt kernel:
     # its decoding sequences as a batch (their tokens' rows in T, block tables, key counts), so
     # a decode kernel takes them in one call.
@@ -52,10 +54,12 @@ class AttentionMetadata:
     long_fresh: list[int] = ()
 
     @classmethod
-    def for_decode(cls, slot_mapping, block_tables, seq_lens, block_size: int) -> "AttentionMetadata":
-        """All-device metadata of a decode step (one token per sequence), for kernels that
-        read lengths and block tables on the device; what a CUDA graph captures."""
-        return cls(slot_mapping, block_size, block_tables=block_tables, seq_lens=seq_lens)
+    def for_decode(cls, slot_mapping, block_tables, seq_lens, block_size: int,
+                   row_groups=None) -> "AttentionMetadata":
+        """All-device metadata of a decode step (one token per row), for kernels that read
+        lengths and block tables on the device; what a CUDA graph captures. ``row_groups``:
+        the rows are tokens of prompt chunks too, consecutive per sequence."""
+        return cls(slot_mapping, block_size, block_tables=block_tables, seq_lens=seq_lens, row_groups=row_groups)
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch, F, like, block_size: int) -> "AttentionMetadata":

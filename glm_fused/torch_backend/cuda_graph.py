@@ -22,10 +22,12 @@ written before any row attends.
 Eagerly, a lone 32-token prompt waited 24 ms for its first token on a 20-layer model whose
 decode step takes 3.9 ms (an H200): the step was mostly launches; replayed, 15.4 ms (fresh
 prompts, docs/speed.md). The rows
-re-read their sequence's keys once each, so a step qualifies only while the keys its chunks
-re-read, sum of query_len * (context + query_len), stay within PROMPT_KEY_READS (about what a
-full decode batch at 2,048 tokens reads; the keys of one sequence sit in L2 for the rows after
-the first).
+re-read their sequence's keys, so a step qualifies only while the keys its chunks read, sum of
+query_len * (context + query_len), stay within PROMPT_KEY_READS (about what a full decode batch
+at 2,048 tokens reads). Such steps replay a second graph of the same size whose attention takes
+a chunk's rows in groups (``decode_attention``'s ``lead``): one program per group of
+GROUP_ROWS rows reads each key tile once for all of them, where one program per row read it
+once per row (32 rows after 2,048 cached tokens: docs/speed.md).
 
 An input id of -1 is a placeholder for the token the previous step sampled for that
 sequence (the engine schedules a step before the previous one's tokens reach the host):
@@ -42,9 +44,16 @@ import torch
 from glm_fused.batch import ForwardBatch
 from glm_fused.fused_op.stats import FusionStats
 from glm_fused.model.attention import AttentionMetadata
+from glm_fused.torch_backend.kernels.decode_attention import row_groups
 
 
 PROMPT_KEY_READS = 64 * 2048  # a step with prompt chunks replays a graph up to this many key reads (docstring)
+# A step with prompt chunks replays the grouped graph (``grouped``) when a chunk follows at
+# least GROUPED_MIN_CONTEXT cached positions and the chunks' rows read at least twice the keys
+# its decodes read. Measured per layer on an H200 (docs/speed.md): 32 rows after 2,048 cached
+# tokens 0.56x the ungrouped time, after 512 0.98x, after 256 1.27x; 32 decodes beside a chunk
+# of 32 after 1,024 1.42x (the decodes' launch and the groups' run one after the other).
+GROUPED_MIN_CONTEXT = 512
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -64,44 +73,51 @@ class DecodeGraphs:
         n = self.sizes[-1]
         dev = model.device
         # rows: input ids, positions, cache rows, keys seen (= position + 1), the sequence's row
-        # of per-sequence state; one copy in per step
-        self.inputs = torch.zeros(5, n, dtype=torch.int64, device=dev)
+        # of per-sequence state, the attention's row groups (grouped graphs); one copy in per step
+        self.inputs = torch.zeros(6, n, dtype=torch.int64, device=dev)
         self.tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self._staging = [(torch.zeros(5, n, dtype=torch.int64, pin_memory=True),
+        self._staging = [(torch.zeros(6, n, dtype=torch.int64, pin_memory=True),
                           torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, pin_memory=True)) for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]  # after each staging pair's last copy
         self._turn = 0
         self._pinned, self._pinned_tables = self._staging[0]
+        # per size: the decode graph, and (sizes above 1) the grouped one for steps with prompt chunks
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, FusionStats]] = {}
+        self.grouped_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, FusionStats]] = {}
         self._fill_padding(0)
         self.inputs.copy_(self._pinned)
-        pool = None
-        comm = model.comm
+        self._pool = None
         for bs in reversed(self.sizes):
-            meta = AttentionMetadata.for_decode(self.inputs[2, :bs], self.tables[:bs], self.inputs[3, :bs],
-                                                self.block_size)
-
-            def step(bs=bs, meta=meta):
-                ids = self.inputs[0, :bs]
-                ids = torch.where(ids < 0, next_tokens[self.inputs[4, :bs]], ids)
-                return model.forward_hidden(ids, self.inputs[1, :bs], meta, kv_caches)
-
-            step()  # compile and warm every kernel outside the capture
-            torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            comm.stats.reset()
-            with torch.cuda.graph(graph, pool=pool):
-                out = step()
-            pool = graph.pool() if pool is None else pool
-            stats = FusionStats()
-            stats.add(comm.stats)  # what one replay does: the calls made while capturing
-            self.graphs[bs] = (graph, out, stats)
+            self.graphs[bs] = self._capture(bs, next_tokens, kv_caches, grouped=False)
+            if bs > 1:
+                self.grouped_graphs[bs] = self._capture(bs, next_tokens, kv_caches, grouped=True)
         torch.cuda.synchronize(dev)
+        model.comm.stats.reset()
+
+    def _capture(self, bs: int, next_tokens, kv_caches, grouped: bool):
+        model, comm = self.model, self.model.comm
+        meta = AttentionMetadata.for_decode(self.inputs[2, :bs], self.tables[:bs], self.inputs[3, :bs],
+                                            self.block_size, row_groups=self.inputs[5, :bs] if grouped else None)
+
+        def step():
+            ids = self.inputs[0, :bs]
+            ids = torch.where(ids < 0, next_tokens[self.inputs[4, :bs]], ids)
+            return model.forward_hidden(ids, self.inputs[1, :bs], meta, kv_caches)
+
+        step()  # compile and warm every kernel outside the capture
+        torch.cuda.synchronize(model.device)
+        graph = torch.cuda.CUDAGraph()
         comm.stats.reset()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = step()
+        self._pool = graph.pool() if self._pool is None else self._pool
+        stats = FusionStats()
+        stats.add(comm.stats)  # what one replay does: the calls made while capturing
+        return graph, out, stats
 
     def _fill_padding(self, start: int) -> None:
         pad = self._pinned[:, start:]
-        pad[0], pad[1], pad[2], pad[3], pad[4] = 0, 0, -1, 1, 0
+        pad[0], pad[1], pad[2], pad[3], pad[4], pad[5] = 0, 0, -1, 1, 0, 1
         self._pinned_tables[start:, 0] = 0
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -110,9 +126,20 @@ class DecodeGraphs:
         return (batch.num_tokens <= self.sizes[-1] and key_reads <= PROMPT_KEY_READS
                 and batch.block_tables.shape[1] <= self.tables.shape[1])
 
+    @staticmethod
+    def grouped(batch: ForwardBatch) -> bool:
+        """Replay the grouped graph for this step with prompt chunks? (GROUPED_MIN_CONTEXT)"""
+        chunk = batch.query_lens > 1
+        if not (batch.context_lens[chunk] >= GROUPED_MIN_CONTEXT).any():
+            return False
+        reads = batch.query_lens * (batch.context_lens + batch.query_lens)  # a decode: its keys
+        return int(reads[chunk].sum()) >= 2 * int(reads[~chunk].sum())
+
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Normed hidden states ``[T, H]`` of a batch ``can_run`` accepts: one row per token."""
-        if batch.num_tokens != batch.num_seqs:
+        chunked = batch.num_tokens != batch.num_seqs
+        grouped = chunked and self.grouped(batch)
+        if chunked:
             batch = batch.as_token_rows()
         S = batch.num_seqs
         bs = next(s for s in self.sizes if s >= S)
@@ -125,13 +152,15 @@ class DecodeGraphs:
         host[2, :S] = batch.slot_mapping(self.block_size)
         host[3, :S] = batch.context_lens + 1
         host[4, :S] = batch.rows
+        if grouped:
+            host[5, :S] = row_groups(batch.rows)
         self._fill_padding(S)
         self._pinned_tables.numpy()[:S, :batch.block_tables.shape[1]] = batch.block_tables
         self.inputs[:, :bs].copy_(self._pinned[:, :bs], non_blocking=True)
         self.tables[:bs].copy_(self._pinned_tables[:bs], non_blocking=True)
         self._copied[self._turn] = torch.cuda.Event()
         self._copied[self._turn].record()
-        graph, out, stats = self.graphs[bs]
+        graph, out, stats = (self.grouped_graphs if grouped else self.graphs)[bs]
         graph.replay()
         self.model.comm.stats.add(stats)
         return out[:S]

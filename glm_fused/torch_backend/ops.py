@@ -274,7 +274,7 @@ class TorchOps(Ops):
         from glm_fused.torch_backend.kernels.prefill_attention import prefill_attention
 
         if meta.seq_lens is not None:  # decode: split-K over each sequence's blocks
-            return decode_attention(q, *kv_cache, meta.block_tables, meta.seq_lens, scale)
+            return decode_attention(q, *kv_cache, meta.block_tables, meta.seq_lens, scale, lead=meta.row_groups)
         out = torch.empty_like(q)
         if meta.mixed_decode is not None:  # decodes beside prompt chunks: the decodes in one call
             rows, tables, lens = meta.mixed_decode

@@ -11,10 +11,18 @@ D]`` and a block table per sequence) or, for comparison, from the contiguous one
 cache the engine used before paging (``contiguous_decode_attention``: ``[slots, max_len, kv_heads,
 D]``, scripts/bench_attention.py's baseline). One kernel serves both; the layout is a
 compile-time switch, so the contiguous build does the earlier kernel's arithmetic and nothing more.
+
+Rows that are the tokens of one prompt chunk (how the CUDA graphs replay a short chunk: a row
+per token, each over the chunk's sequence) can be grouped (``lead``, from ``row_groups``): one
+program then takes up to GROUP_ROWS consecutive rows, 4 x 12 query heads against each key tile
+it loads, each row masked to its own length. 32 rows after 2,048 cached tokens took 0.56x the
+time of one program per row on an H200 (docs/speed.md); with short contexts the per-row kernel
+is faster, so the caller chooses (``cuda_graph.DecodeGraphs.grouped``).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +33,7 @@ from glm_fused.torch_backend.kernels.pdl import pdl_args, pdl_wait
 BLOCK_N = 64
 TARGET_PROGRAMS = 264  # about two per multiprocessor of an H100/H200
 MAX_SPLITS = 64
+GROUP_ROWS = 4  # rows of one sequence per program, with lead (decode_attention)
 
 # Few compiled variants serve every step: the split count and the block table's width change
 # with the batch, so they are plain arguments, not specialised on (each new value compiled in
@@ -42,33 +51,39 @@ def _split_range(length, split, splits, BLOCK: tl.constexpr):
     return start, tl.minimum(start + per, length)
 
 
-@triton.jit(do_not_specialize=["splits", "stride_table"])
-def _stage1(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, splits,
+@triton.jit
+def _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, kvh, split, splits, n_rows,
             stride_qs, stride_qh, stride_table, stride_cblock, stride_cpos, stride_ch,
             stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
-            GROUP: tl.constexpr, GROUP_B: tl.constexpr, HEAD_DIM: tl.constexpr,
-            BLOCK: tl.constexpr, PREC: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-            PDL: tl.constexpr):
-    pdl_wait(PDL)
-    s = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    length = tl.load(len_ptr + s).to(tl.int32)
-    start, end = _split_range(length, split, splits, BLOCK)
-
-    g = tl.arange(0, GROUP_B)
+            GROUP: tl.constexpr, GROUP_B: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+            PREC: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr):
+    """One split of rows ``s .. s + n_rows - 1`` (R == 1: row s alone) for kv head ``kvh``."""
+    if R == 1:
+        length = tl.load(len_ptr + s).to(tl.int32)
+        start, end = _split_range(length, split, splits, BLOCK)
+        g = tl.arange(0, GROUP_B)
+        gm = (g < GROUP) & (start < end)  # a split past the end writes nothing: stage 2 skips it
+        q_row, o_row, lse_row = s * stride_qs, s * stride_os, s * stride_ls
+    else:  # R consecutive rows of one sequence share every key tile loaded
+        i = tl.arange(0, R * GROUP_B)
+        g = i % GROUP_B
+        row = s + i // GROUP_B
+        row_len = tl.load(len_ptr + row, mask=i // GROUP_B < n_rows, other=0).to(tl.int32)
+        length = tl.max(row_len, axis=0)
+        start, end = _split_range(length, split, splits, BLOCK)
+        gm = (g < GROUP) & (i // GROUP_B < n_rows)  # every split writes, an empty one too: stage 2 reads them all
+        q_row, o_row, lse_row = row[:, None] * stride_qs, row[:, None] * stride_os, row * stride_ls
     heads = kvh * GROUP + g
-    gm = (g < GROUP) & (start < end)  # a split past the end writes nothing: stage 2 skips it
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + s * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
+    q = tl.load(q_ptr + q_row + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
     if PAGED:
         base = kvh * stride_ch
         table = table_ptr + s * stride_table
     else:  # contiguous: the table holds one slot per sequence
         base = tl.load(table_ptr + s).to(tl.int64) * stride_cblock + kvh * stride_ch
-    m = tl.full([GROUP_B], float("-inf"), tl.float32)
-    lsum = tl.zeros([GROUP_B], tl.float32)
-    acc = tl.zeros([GROUP_B, HEAD_DIM], tl.float32)
+    m = tl.full([R * GROUP_B], float("-inf"), tl.float32)
+    lsum = tl.zeros([R * GROUP_B], tl.float32)
+    acc = tl.zeros([R * GROUP_B, HEAD_DIM], tl.float32)
     if PAGED and PAGE < BLOCK:  # a tile spans pages: each row's page, loaded one tile ahead so the
         # key loads never wait on the table (at small batches that wait cost 12-15%)
         n = start + tl.arange(0, BLOCK)
@@ -90,31 +105,77 @@ def _stage1(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, spli
         k = tl.load(k_ptr + offs, mask=nm[:, None], other=0.0)
         v = tl.load(v_ptr + offs, mask=nm[:, None], other=0.0)
         sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        sc = tl.where(nm[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        p = tl.exp(sc - m_new[:, None])  # every block has a key, so m_new is finite
-        alpha = tl.exp(m - m_new)
+        if R == 1:
+            sc = tl.where(nm[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, axis=1))
+            p = tl.exp(sc - m_new[:, None])  # every block has a key, so m_new is finite
+            alpha = tl.exp(m - m_new)
+        else:  # each row sees the keys before its own length: a tile can hide all of a row's keys
+            sc = tl.where(n[None, :] < tl.minimum(row_len, end)[:, None], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, axis=1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            p = tl.exp(sc - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
         lsum = lsum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
     has = lsum > 0
     out = acc / tl.where(has, lsum, 1.0)[:, None]
-    tl.store(o_ptr + s * stride_os + heads[:, None] * stride_oh + split * stride_osp + d[None, :], out,
-             mask=gm[:, None])
-    tl.store(lse_ptr + s * stride_ls + heads * stride_lh + split, tl.where(has, m + tl.log(lsum), float("-inf")),
+    tl.store(o_ptr + o_row + heads[:, None] * stride_oh + split * stride_osp + d[None, :], out, mask=gm[:, None])
+    tl.store(lse_ptr + lse_row + heads * stride_lh + split, tl.where(has, m + tl.log(lsum), float("-inf")),
              mask=gm)
 
 
-@triton.jit(do_not_specialize=["splits"])
-def _stage2(o_ptr, lse_ptr, len_ptr, out_ptr, splits, stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
-            stride_outs, stride_outh, SPLITS_B: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-            PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["splits", "stride_table"])
+def _stage1(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, lead_ptr, o_ptr, lse_ptr, scale, splits,
+            stride_qs, stride_qh, stride_table, stride_cblock, stride_cpos, stride_ch,
+            stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
+            GROUP: tl.constexpr, GROUP_B: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK: tl.constexpr, PREC: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+            PDL: tl.constexpr, ROWS: tl.constexpr, LONE: tl.constexpr):
+    """ROWS == 1: a program per row (LONE: only the rows alone in their group); ROWS > 1: a
+    program per group of more than one row. Two builds, so that a row alone runs exactly the
+    decode kernel (one build with both paths would size every program's registers for the
+    grouped one)."""
+    pdl_wait(PDL)
+    s = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if ROWS == 1:
+        if LONE:
+            n_rows = tl.load(lead_ptr + s).to(tl.int32)
+        else:
+            n_rows = 1
+        if n_rows == 1:
+            _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, kvh, split, splits, 1,
+                    stride_qs, stride_qh, stride_table, stride_cblock, stride_cpos, stride_ch,
+                    stride_os, stride_oh, stride_osp, stride_ls, stride_lh, GROUP, GROUP_B, HEAD_DIM, BLOCK,
+                    PREC, PAGED, PAGE, 1)
+    else:  # a group's first row holds its size, the others 0
+        n_rows = tl.load(lead_ptr + s).to(tl.int32)
+        if n_rows > 1:
+            _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, kvh, split, splits, n_rows,
+                    stride_qs, stride_qh, stride_table, stride_cblock, stride_cpos, stride_ch,
+                    stride_os, stride_oh, stride_osp, stride_ls, stride_lh, GROUP, GROUP_B, HEAD_DIM, BLOCK,
+                    PREC, PAGED, PAGE, ROWS)
+
+
+@triton.jit(do_not_specialize=["splits", "splits1"])
+def _stage2(o_ptr, lse_ptr, len_ptr, lead_ptr, out_ptr, splits, splits1, stride_os, stride_oh, stride_osp,
+            stride_ls, stride_lh, stride_outs, stride_outh, SPLITS_B: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK: tl.constexpr, PDL: tl.constexpr, GROUPED: tl.constexpr):
     pdl_wait(PDL)
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_B)
-    start, end = _split_range(tl.load(len_ptr + s).to(tl.int32), sp, splits, BLOCK)
-    spm = (sp < splits) & (start < end)  # only the splits that had keys (at batch 1 and 512 keys: 8 of 33)
+    if GROUPED:  # a row of a group: every split of the group's was written (empty ones as -inf)
+        lead = tl.load(lead_ptr + s)
+        count = tl.where(lead == 1, splits1, splits)  # a row alone: its own split count, empty splits unwritten
+        start, end = _split_range(tl.load(len_ptr + s).to(tl.int32), sp, count, BLOCK)
+        spm = (sp < count) & ((start < end) | (lead != 1))
+    else:
+        start, end = _split_range(tl.load(len_ptr + s).to(tl.int32), sp, splits, BLOCK)
+        spm = (sp < splits) & (start < end)  # only the splits that had keys (at batch 1 and 512 keys: 8 of 33)
     lse = tl.load(lse_ptr + s * stride_ls + h * stride_lh + sp, mask=spm, other=float("-inf"))
     w = tl.exp(lse - tl.max(lse, axis=0))
     w = w / tl.sum(w, axis=0)
@@ -130,42 +191,72 @@ def num_splits(num_seqs: int, num_kv_heads: int) -> int:
     return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)))
 
 
+def row_groups(seq_of_row: np.ndarray, rows: int = GROUP_ROWS) -> np.ndarray:
+    """``lead`` for ``decode_attention``: rows of one sequence are consecutive (a prompt chunk
+    as one row per token); each run is cut into groups of at most ``rows``, whose first row
+    holds the group's size and the others 0. A row alone (a decode) is a group of one."""
+    n = len(seq_of_row)
+    lead = np.zeros(n, dtype=np.int64)
+    if n == 0:
+        return lead
+    starts = np.flatnonzero(np.r_[True, seq_of_row[1:] != seq_of_row[:-1]])
+    ends = np.r_[starts[1:], n]
+    run_start = np.repeat(starts, ends - starts)
+    offset = np.arange(n) - run_start  # index inside its run
+    leaders = offset % rows == 0
+    run_end = np.repeat(ends, ends - starts)
+    lead[leaders] = np.minimum(rows, run_end[leaders] - np.arange(n)[leaders])
+    return lead
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [S, heads, D]``; sequence s attends to its first ``seq_lens[s]`` positions, found
+                     seq_lens: torch.Tensor, scale: float, lead: torch.Tensor | None = None) -> torch.Tensor:
+    """``q [S, heads, D]``; row s attends to its first ``seq_lens[s]`` positions, found
     through ``block_tables [S, W]`` in the paged cache ``[num_blocks, block_size, kv_heads, D]``
-    (new key already written). Returns ``[S, heads, D]``."""
+    (new key already written). Returns ``[S, heads, D]``.
+
+    ``lead [S]`` (from ``row_groups``): rows of one sequence in groups of up to GROUP_ROWS, one
+    program per group reading each key tile once for all of them (a prompt chunk replayed as
+    rows re-read its sequence's keys once per row before). The rows of a group share the first
+    one's block table."""
     page = k_cache.shape[1]
     assert page == next_pow2(page), "block_size must be a power of two"
-    return _launch(q, k_cache, v_cache, block_tables, block_tables.stride(0), seq_lens, scale, True, page)
+    return _launch(q, k_cache, v_cache, block_tables, block_tables.stride(0), seq_lens, scale, True, page, lead)
 
 
 def contiguous_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """The same over a contiguous cache ``[slots, max_len, kv_heads, D]``: sequence s reads
     ``cache[slots[s], :seq_lens[s]]`` (the layout before paging; the benchmark's baseline)."""
-    return _launch(q, k_cache, v_cache, slots, 0, seq_lens, scale, False, 1)
+    return _launch(q, k_cache, v_cache, slots, 0, seq_lens, scale, False, 1, None)
 
 
-def _launch(q, k_cache, v_cache, table, stride_table, seq_lens, scale, paged, page):
+def _launch(q, k_cache, v_cache, table, stride_table, seq_lens, scale, paged, page, lead):
     S, nh, D = q.shape
     nkv = k_cache.shape[2]
     group = nh // nkv
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     assert D == next_pow2(D), "head_dim must be a power of two"
-    splits = num_splits(S, nkv)
+    rows = 1 if lead is None else GROUP_ROWS
+    splits1 = num_splits(S, nkv)  # a program per row
+    splits = splits1 if lead is None else num_splits(-(-S // rows), nkv)  # a program per group: at least as many
     o = torch.empty(S, nh, splits, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(S, nh, MAX_SPLITS, dtype=torch.float32, device=q.device)
     out = torch.empty(S, nh, D, dtype=q.dtype, device=q.device)
     if S == 0:
         return out
-    _stage1[(S, nkv, splits)](
-        q, k_cache, v_cache, table, seq_lens, o, lse, scale, splits,
-        q.stride(0), q.stride(1), stride_table, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        GROUP=group, GROUP_B=max(16, next_pow2(group)), HEAD_DIM=D, BLOCK=BLOCK_N,
-        PREC=dot_precision(q.dtype), PAGED=paged, PAGE=page, num_warps=4, num_stages=2, **pdl_args(q))
-    _stage2[(S, nh)](o, lse, seq_lens, out, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0),
-                     lse.stride(1), out.stride(0), out.stride(1), SPLITS_B=1 if splits == 1 else MAX_SPLITS,
-                     HEAD_DIM=D, BLOCK=BLOCK_N, num_warps=4, **pdl_args(q))
+    args = (q, k_cache, v_cache, table, seq_lens, seq_lens if lead is None else lead, o, lse, scale)
+    strides = (q.stride(0), q.stride(1), stride_table, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1))
+    consts = dict(GROUP=group, GROUP_B=max(16, next_pow2(group)), HEAD_DIM=D, BLOCK=BLOCK_N, PREC=dot_precision(q.dtype),
+                  PAGED=paged, PAGE=page, num_warps=4, num_stages=2, **pdl_args(q))
+    _stage1[(S, nkv, splits1)](*args, splits1, *strides, ROWS=1, LONE=lead is not None, **consts)
+    if lead is not None:
+        _stage1[(S, nkv, splits)](*args, splits, *strides, ROWS=rows, LONE=False, **consts)
+    # Grouped steps run only from CUDA graphs, every size compiled at capture: a build per split
+    # count costs nothing later; a decode step's split count changes with its batch (two builds).
+    splits_b = (1 if splits == 1 else MAX_SPLITS) if rows == 1 else next_pow2(splits)
+    _stage2[(S, nh)](o, lse, seq_lens, args[5], out, splits, splits1, o.stride(0), o.stride(1), o.stride(2),
+                     lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), SPLITS_B=splits_b, HEAD_DIM=D,
+                     BLOCK=BLOCK_N, GROUPED=rows > 1, num_warps=4, **pdl_args(q))
     return out
