@@ -470,6 +470,28 @@ def test_token_id_completions_are_prepared_in_place():
         pool.close()
 
 
+def test_a_text_completion_is_not_parsed_on_the_event_loop(monkeypatch):
+    """The handler's check for a token-id prompt does not parse a text prompt's body (the
+    worker parses it); ids, and prompts whose form only a parse can tell, are parsed."""
+    from glm_fused.server import preprocess
+    from glm_fused.server.preprocess_pool import PreprocessPool
+
+    pool = PreprocessPool({"model_name": MODEL, "max_model_len": 256, "vocab_size": 1024}, workers=0)
+    pool.start()
+    parsed = []
+    real = preprocess.parse_json
+    monkeypatch.setattr(preprocess, "parse_json", lambda body: parsed.append(body) or real(body))
+    for body in (b'{"prompt": "hello", "max_tokens": 2}', b'{"prompt"\n :\t"[1, 2]"}'):
+        assert pool.prepare_now("completion", body) is None
+    assert parsed == []
+    assert pool.prepare_now("completion", b'{"prompt": [5, 6], "max_tokens": 2}').prompts == [[5, 6]]
+    # an escaped "prompt" inside another string is no key: the real prompt (ids) is still found
+    tricky = json.dumps({"user": '"prompt": "x"', "prompt": [7]}).encode()
+    assert pool.prepare_now("completion", tricky).prompts == [[7]]
+    assert len(parsed) == 2
+    pool.close()
+
+
 async def _slow_forward_hang_ups(url: str, n: int) -> None:
     """n non-streamed requests on raw connections, closed before any answer."""
     writers = []

@@ -36,6 +36,10 @@ from glm_fused.server.errors import ApiError, from_validation_errors
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # A lone surrogate can only come from a \uD800-\uDFFF escape (raw UTF-8 cannot encode one).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A key "prompt" whose value is a string: a text prompt, which a worker tokenizes, so the
+# handler does not parse it first (an unescaped match can only be a key: quotes inside strings
+# are escaped). Anything else, unusual spellings included, is parsed and decided exactly.
+_TEXT_PROMPT = re.compile(rb'"prompt"\s*:\s*"')
 
 
 @dataclass
@@ -127,6 +131,8 @@ class RequestPreprocessor:
         """``prepare("completion", body)`` when its prompt is token ids (one list, or a list of
         lists), else None: no tokenizer, template or grammar runs for it, only parsing and
         checks, which take about as long as the body is bytes (0.4 ms for 2,080 ids)."""
+        if _TEXT_PROMPT.search(body):
+            return None
         data = parse_json(body)
         prompt = data.get("prompt")
         if not (isinstance(prompt, list) and prompt and (type(prompt[0]) is int or isinstance(prompt[0], list))):
