@@ -151,7 +151,7 @@ def check_grouped_decode_attention(device, dtype, runs=((40, 7), (69, 1), (0, 5)
     """Rows that are prompt chunks' tokens (a run of rows per sequence: (context, rows)), the
     CUDA graphs' chunk layout: grouped rows (``lead``) against an fp32 reference per row, and
     the ungrouped kernel on the same rows."""
-    from glm_fused.torch_backend.kernels.decode_attention import decode_attention, row_groups
+    from glm_fused.torch_backend.kernels.decode_attention import GROUP_ROWS, decode_attention, row_groups
 
     g = torch.Generator().manual_seed(seed)
     width = -(-max(c + n for c, n in runs) // page)
@@ -166,7 +166,7 @@ def check_grouped_decode_attention(device, dtype, runs=((40, 7), (69, 1), (0, 5)
     tables = perm[torch.as_tensor(seq)].to(device=device, dtype=torch.int32)
     seq_lens = torch.as_tensor(lens, device=device)
     scale = head_dim ** -0.5
-    lead = row_groups(seq, rows=4)
+    lead = row_groups(seq)
     grouped = decode_attention(q, k, v, tables, seq_lens, scale, lead=torch.as_tensor(lead, device=device))
     plain = decode_attention(q, k, v, tables, seq_lens, scale)
     worst = worst_plain = 0.0
@@ -177,7 +177,7 @@ def check_grouped_decode_attention(device, dtype, runs=((40, 7), (69, 1), (0, 5)
         p = torch.softmax(torch.einsum("hd,nhd->hn", q[r].float(), keys) * scale, dim=-1)
         ref = torch.einsum("hn,nhd->hd", p, vals)
         worst, worst_plain = max(worst, rel(grouped[r], ref)), max(worst_plain, rel(plain[r], ref))
-    assert lead.sum() == len(seq) and (lead > 0).sum() == sum(-(-n // 4) for _, n in runs), lead  # runs cut in fours
+    assert lead.sum() == len(seq) and (lead > 0).sum() == sum(-(-n // GROUP_ROWS) for _, n in runs), lead
     return {"out": worst, "ungrouped": worst_plain}
 
 

@@ -191,10 +191,11 @@ def num_splits(num_seqs: int, num_kv_heads: int) -> int:
     return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)))
 
 
-def row_groups(seq_of_row: np.ndarray, rows: int = GROUP_ROWS) -> np.ndarray:
+def row_groups(seq_of_row: np.ndarray, rows: int | None = None) -> np.ndarray:
     """``lead`` for ``decode_attention``: rows of one sequence are consecutive (a prompt chunk
     as one row per token); each run is cut into groups of at most ``rows``, whose first row
     holds the group's size and the others 0. A row alone (a decode) is a group of one."""
+    rows = GROUP_ROWS if rows is None else rows  # (read now: the kernel's launch reads it too)
     n = len(seq_of_row)
     lead = np.zeros(n, dtype=np.int64)
     if n == 0:
