@@ -84,6 +84,12 @@ MUTATIONS: list[Mutation] = [
              "glm_fused/torch_backend/kernels/fused_moe.py",
              "    h = acc_g * tl.sigmoid(acc_g) * acc_u\n", "    h = acc_u * tl.sigmoid(acc_u) * acc_g\n",
              ("tests/test_triton_kernels.py::test_kernels_under_the_triton_interpreter",)),
+    Mutation("grouped-attention-group-length", "grouped decode attention lets every row of a group see the "
+             "group's keys, not only those up to its own position",
+             "glm_fused/torch_backend/kernels/decode_attention.py",
+             "sc = tl.where(n[None, :] < tl.minimum(row_len, end)[:, None], sc, float(\"-inf\"))",
+             "sc = tl.where(nm[None, :], sc, float(\"-inf\"))",
+             ("tests/test_triton_kernels.py::test_kernels_under_the_triton_interpreter",)),
     Mutation("scheduler-first-row-logits", "the scheduler samples from a chunk's first row, not its last",
              "glm_fused/engine/scheduler.py",
              "logits_indices.append(offset + n - 1)", "logits_indices.append(offset)",
