@@ -392,7 +392,9 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
 def test_metrics_move(server):
     keys = [("request_success_total", {"finished_reason": "length"}), ("prompt_tokens_total", {}),
             ("generation_tokens_total", {}), ("time_to_first_token_seconds_count", {}),
-            ("request_time_per_output_token_seconds_count", {}), ("engine_steps_total", {})]
+            ("request_time_per_output_token_seconds_count", {}), ("engine_steps_total", {}),
+            ("time_to_first_token_seconds_sum", {}), ("request_queue_time_seconds_count", {}),
+            ("request_queue_time_seconds_sum", {}), ("request_prefill_time_seconds_sum", {})]
     before = {name: metric(server, name, missing=0.0 if labels else None, **labels) for name, labels in keys}
     complete(server, PROMPTS[5], max_tokens=5, ignore_eos=True)
     after = {name: metric(server, name, **labels) for name, labels in keys}
@@ -403,6 +405,13 @@ def test_metrics_move(server):
     assert (after["request_time_per_output_token_seconds_count"]
             == before["request_time_per_output_token_seconds_count"] + 1)
     assert after["engine_steps_total"] >= before["engine_steps_total"] + 5
+    # the first token's time, split into waiting to be admitted and the prompt's steps
+    assert after["request_queue_time_seconds_count"] == before["request_queue_time_seconds_count"] + 1
+    delta = {k: after[k] - before[k] for k in ("time_to_first_token_seconds_sum", "request_queue_time_seconds_sum",
+                                                "request_prefill_time_seconds_sum")}
+    assert delta["request_queue_time_seconds_sum"] >= 0 and delta["request_prefill_time_seconds_sum"] > 0
+    assert (delta["request_queue_time_seconds_sum"] + delta["request_prefill_time_seconds_sum"]
+            == pytest.approx(delta["time_to_first_token_seconds_sum"], abs=1e-6))
     text = httpx.get(f"{server.url}/metrics").text
     assert "# TYPE glm_fused:num_requests_running gauge" in text
     assert "# TYPE glm_fused:num_requests_waiting gauge" in text

@@ -54,6 +54,7 @@ def test_page_parses_and_names_mirror_vllm():
         "glm_fused:time_to_first_token_seconds": "histogram",
         "glm_fused:request_time_per_output_token_seconds": "histogram",
         "glm_fused:e2e_request_latency_seconds": "histogram", "glm_fused:request_errors": "counter",
+        "glm_fused:request_queue_time_seconds": "histogram", "glm_fused:request_prefill_time_seconds": "histogram",
         "glm_fused:engine_steps": "counter", "glm_fused:engine_step_tokens": "counter",
         "glm_fused:engine_forward_seconds": "counter", "glm_fused:engine_decode_steps": "counter",
         "glm_fused:engine_decode_device_seconds": "counter", "glm_fused:engine_device_seconds": "counter",
@@ -90,7 +91,7 @@ def test_request_events_move_their_series():
     metrics = ServerMetrics(MODEL)
     metrics.on_admitted(17)
     metrics.on_tokens(1)
-    metrics.on_first_token(0.03)
+    metrics.on_first_token(0.03, 0.012)
     metrics.on_tokens(4)
     metrics.on_finished("length", 0.9, 0.05)
     metrics.on_admitted(5)
@@ -108,6 +109,10 @@ def test_request_events_move_their_series():
     assert got[("glm_fused:time_to_first_token_seconds_count", ())] == 1
     assert got[("glm_fused:time_to_first_token_seconds_bucket", (("le", "0.04"),))] == 1
     assert got[("glm_fused:time_to_first_token_seconds_bucket", (("le", "0.02"),))] == 0
+    # the first token's time split: 12 ms waiting to be admitted, 18 ms of prompt steps
+    assert got[("glm_fused:request_queue_time_seconds_sum", ())] == pytest.approx(0.012)
+    assert got[("glm_fused:request_prefill_time_seconds_sum", ())] == pytest.approx(0.018)
+    assert got[("glm_fused:request_prefill_time_seconds_count", ())] == 1
     assert got[("glm_fused:request_time_per_output_token_seconds_count", ())] == 1
     assert got[("glm_fused:request_time_per_output_token_seconds_sum", ())] == pytest.approx(0.05)
     assert got[("glm_fused:e2e_request_latency_seconds_count", ())] == 2

@@ -28,6 +28,8 @@ so new ones never need a row while they wait.
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass
 
@@ -143,6 +145,8 @@ class Scheduler:
             self.blocks.count_lookup(seq.num_tokens, computed)
             seq.num_computed = computed
             seq.status = Status.RUNNING
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.monotonic()
             self.running.append(seq)
             picked[seq] = n
             budget -= n

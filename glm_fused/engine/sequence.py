@@ -58,6 +58,7 @@ class Sequence:
         self.prompt_logprobs: list[tuple[float, list[int], list[float]] | None] = \
             [None] if params.prompt_logprobs is not None else []
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.scheduled_time: float | None = None  # first admitted to a step (queue time ends)
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         # Text (only with a detokenizer: glm_fused.tokenizer.TextStream or alike, with

@@ -192,7 +192,8 @@ def _observe(metrics: ServerMetrics, outs: list[RequestOutput]) -> None:
         if out.new_token_ids:
             metrics.on_tokens(len(out.new_token_ids))
             if out.completion_tokens == 1 and seq.first_token_time is not None:
-                metrics.on_first_token(seq.first_token_time - seq.arrival_time)
+                queued = None if seq.scheduled_time is None else seq.scheduled_time - seq.arrival_time
+                metrics.on_first_token(seq.first_token_time - seq.arrival_time, queued)
         if out.finished:
             n = len(seq.output_token_ids)
             tpot = None

@@ -111,6 +111,12 @@ class ServerMetrics:
                          "Per request: (last token - first token) / (generated tokens - 1).",
                          buckets=LATENCY_BUCKETS)
         self.e2e = make(Histogram, "e2e_request_latency_seconds", "Arrival to finish.", buckets=E2E_BUCKETS)
+        # The first token's time in two parts (vLLM's names): waiting to be admitted to a step,
+        # then the prompt's steps up to the first token.
+        self.queue_time = make(Histogram, "request_queue_time_seconds", "Arrival to first admitted to a step.",
+                               buckets=LATENCY_BUCKETS)
+        self.prefill_time = make(Histogram, "request_prefill_time_seconds",
+                                 "First admitted to a step to first generated token.", buckets=LATENCY_BUCKETS)
         self._engine = _EngineTotals(model_name)
         self.registry.register(self._engine)
 
@@ -121,8 +127,13 @@ class ServerMetrics:
     def on_tokens(self, n: int) -> None:
         self.generation_tokens.inc(n)
 
-    def on_first_token(self, seconds: float) -> None:
+    def on_first_token(self, seconds: float, queued: float | None = None) -> None:
+        """``seconds``: arrival to first token; ``queued``: how long of it the request waited
+        to be admitted to a step (None: not known, only the TTFT is observed)."""
         self.ttft.observe(seconds)
+        if queued is not None:
+            self.queue_time.observe(queued)
+            self.prefill_time.observe(seconds - queued)
 
     def on_finished(self, reason: str, e2e: float, tpot: float | None) -> None:
         self._success.labels(self.model_name, reason).inc()
