@@ -22,7 +22,9 @@ the peak KV-cache usage and the preemptions. Two checks for the paged KV cache:
   fresh random prefix of ``--prefix-len`` tokens plus ``--input-len`` new tokens, first with
   the prefix uncached, then again (other new tokens) with the prefix cached; prints the median
   time to first token of both and their ratio (``--max-ttft-ratio R``: exit 1 above R), and
-  beside each the device time of its request's forward steps (``/metrics``), its floor.
+  beside each the device time of its request's forward steps (``/metrics``), its floor, and
+  the server's own TTFT split at the request's admission to a step (waiting, then its steps),
+  the rest being the HTTP path, parsing and the response.
 """
 
 from __future__ import annotations
@@ -218,15 +220,20 @@ async def prefix_cache_round(url: str, args, rng: np.random.Generator) -> dict:
             await _one(client, url, model, draw(args.prefix_len + args.input_len), one_token)
         before = marks = await _metrics(client, url)
         uncached, cached = [], []
-        device = {"uncached": [], "cached": []}  # each request's steps, as the device ran them (s)
+        # Per request, from the server's counters: its steps as the device ran them, and its
+        # first token's time as the server saw it, split at its admission to a step (s).
+        series = {"device": "engine_device_seconds_total", "server_ttft": "time_to_first_token_seconds_sum",
+                  "queue": "request_queue_time_seconds_sum", "prefill": "request_prefill_time_seconds_sum"}
+        per = {key: {"uncached": [], "cached": []} for key in series}
         for _ in range(args.num_requests):
             prefix = draw(args.prefix_len)
             for name, times in (("uncached", uncached), ("cached", cached)):
                 times.append((await _one(client, url, model, prefix + draw(args.input_len), one_token))["ttft"])
                 await asyncio.sleep(METRICS_SETTLE_S)
                 after = await _metrics(client, url)
-                if "engine_device_seconds_total" in after:
-                    device[name].append(after["engine_device_seconds_total"] - marks["engine_device_seconds_total"])
+                for key, metric in series.items():
+                    if metric in after:
+                        per[key][name].append(after[metric] - marks.get(metric, 0.0))
                 marks = after
     u, c = float(np.median(uncached)) * 1e3, float(np.median(cached)) * 1e3
     hits = marks.get("prefix_cache_hits_total", 0.0) - before.get("prefix_cache_hits_total", 0.0)
@@ -234,10 +241,14 @@ async def prefix_cache_round(url: str, args, rng: np.random.Generator) -> dict:
            "new_len": args.input_len, "ttft_uncached_median_ms": u, "ttft_cached_median_ms": c,
            "ratio": c / u if u else None, "ttft_uncached_ms": [t * 1e3 for t in uncached],
            "ttft_cached_ms": [t * 1e3 for t in cached], "prefix_cache_hits": int(hits)}
+    device = per["device"]
     if all(device.values()) and min(min(t) for t in device.values()) > 0:
         # The floor of each TTFT: its request's forward steps as the device ran them; a TTFT
         # near its floor leaves only the forward itself to make faster.
         out.update({f"device_{name}_median_ms": float(np.median(t)) * 1e3 for name, t in device.items()})
+    for key in ("server_ttft", "queue", "prefill"):  # where the rest goes (servers that export them)
+        if all(len(t) == args.num_requests for t in per[key].values()):
+            out.update({f"{key}_{name}_median_ms": float(np.median(t)) * 1e3 for name, t in per[key].items()})
     return out
 
 
@@ -345,6 +356,13 @@ def format_prefix_table(results: list[dict], labels: list[str]) -> str:
             lines.append(f"  the requests' forward steps on the device: uncached {du:.1f} ms, cached {dc:.1f} ms; "
                          f"TTFT / device time: uncached {r['ttft_uncached_median_ms'] / du:.3f}x, cached "
                          f"{r['ttft_cached_median_ms'] / dc:.3f}x")
+        if "server_ttft_cached_median_ms" in r and "queue_cached_median_ms" in r:
+            for name in ("uncached", "cached"):
+                ttft, server = r[f"ttft_{name}_median_ms"], r[f"server_ttft_{name}_median_ms"]
+                lines.append(f"  {name}, medians: the server's TTFT {server:.2f} ms = waiting to be admitted "
+                             f"{r[f'queue_{name}_median_ms']:.2f} + admitted to first token "
+                             f"{r[f'prefill_{name}_median_ms']:.2f}; outside it (HTTP, parsing, the response) "
+                             f"{ttft - server:.2f} ms")
     return "\n".join(lines)
 
 

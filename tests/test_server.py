@@ -711,13 +711,19 @@ def test_bench_serve_paged_cache_checks(fake_server, tmp_path, capsys):
     code = bench_serve.main(["--url", url, "--prefix-cache-ttft", "--prefix-len", "40", "--input-len", "4",
                              "--num-requests", "3", "--warmup", "1", "--json", str(out)])
     assert code == 0
-    assert "cached / uncached" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "cached / uncached" in printed and "waiting to be admitted" in printed
     result = json.loads(out.read_text())["results"][0]
     assert result["pairs"] == 3 and len(result["ttft_cached_ms"]) == 3 and result["ratio"] > 0
     assert result["prefix_cache_hits"] == 3 * 32  # each cached request: the prefix's 2 full blocks of 16
     # each request's forward steps as the device ran them, from /metrics: the floor of its TTFT
     assert 0 < result["device_cached_median_ms"] <= result["ttft_cached_median_ms"]
     assert 0 < result["device_uncached_median_ms"] <= result["ttft_uncached_median_ms"]
+    # the server's own TTFT (within the client's), split at the request's admission to a step
+    for name in ("cached", "uncached"):
+        server = result[f"server_ttft_{name}_median_ms"]
+        assert 0 < server <= result[f"ttft_{name}_median_ms"]
+        assert result[f"queue_{name}_median_ms"] >= 0 and 0 < result[f"prefill_{name}_median_ms"] <= server
     flags = ["--url", url, "--num-requests", "12", "--concurrency", "4", "--input-len", "5", "--output-len", "50",
              "--warmup", "0"]
     assert bench_serve.main(flags + ["--min-running", "2", "--json", str(out)]) == 0
