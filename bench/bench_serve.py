@@ -12,6 +12,12 @@ Servers are measured one after another, never at the same time.
 
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --url http://127.0.0.1:8001
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --concurrency 1,8,32,64
+    python scripts/bench_serve.py --prefix-cache-ttft --rounds 2 \
+        --spawn "old=python ../old/scripts/serve.py --model air20 --load-format dummy --port {port}" \
+        --spawn "new=python scripts/serve.py --model air20 --load-format dummy --port {port}"
+
+``--spawn`` starts each server itself, one at a time (A, B, A, B with ``--rounds 2``), for
+servers too large to run side by side, as two builds of one model on one GPU.
 
 From /metrics polled during each round it also reports the most requests running at once,
 the peak KV-cache usage and the preemptions. Two checks for the paged KV cache:
@@ -31,9 +37,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 
 import numpy as np
 
@@ -43,8 +57,14 @@ from glm_fused.errors import UserError
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scripts/bench_serve.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", action="append", required=True,
+    p.add_argument("--url", action="append", default=None,
                    help="server base URL, e.g. http://127.0.0.1:8000 (repeat to compare servers)")
+    p.add_argument("--spawn", action="append", default=None, metavar="NAME=COMMAND",
+                   help="instead of --url: start the server COMMAND (with {port} where its port goes), measure "
+                        "it, stop it; repeat to compare servers that cannot run at once (each turn a fresh "
+                        "process; --rounds R: they take turns R times, each turn reported on its own)")
+    p.add_argument("--spawn-timeout", type=float, default=900.0,
+                   help="--spawn: seconds a server may take to answer /health with 200")
     p.add_argument("--label", action="append", default=None, help="column name per --url (default: from the server)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--concurrency", type=int_list, default=[8],
@@ -366,9 +386,103 @@ def format_prefix_table(results: list[dict], labels: list[str]) -> str:
     return "\n".join(lines)
 
 
+def parse_spawn(items: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        name, sep, command = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not command.strip():
+            raise UserError(f"--spawn {item!r}: NAME=COMMAND")
+        if "{port}" not in command:
+            raise UserError(f"--spawn {name}: the command must put the server's port where {{port}} stands")
+        if name in (n for n, _ in out):
+            raise UserError(f"--spawn {name}: the name is given twice")
+        out.append((name, command))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def spawned(name: str, command: str, timeout_s: float):
+    """The server ``command`` started with a free port in its own process group, its URL once
+    /health answers 200; stopped (SIGTERM, then SIGKILL after 30 s) on the way out."""
+    port = _free_port()
+    log = tempfile.TemporaryFile()
+    try:
+        proc = subprocess.Popen(shlex.split(command.replace("{port}", str(port))), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as exc:
+        log.close()
+        raise UserError(f"--spawn {name}: {exc}") from None
+
+    def last_line() -> str:
+        log.seek(0)
+        lines = [ln for ln in log.read().decode(errors="replace").splitlines() if ln.strip()]
+        return lines[-1].strip() if lines else "(no output)"
+
+    url, start = f"http://127.0.0.1:{port}", time.monotonic()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise UserError(f"--spawn {name}: the server exited ({proc.returncode}) before it answered "
+                                f"/health: {last_line()}")
+            if time.monotonic() - start > timeout_s:
+                raise UserError(f"--spawn {name}: no 200 from /health within {timeout_s:.0f} s "
+                                f"(--spawn-timeout): {last_line()}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:  # not listening yet, or 503 while loading
+                pass
+            time.sleep(0.5)
+        print(f"{name}: answering after {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+def measure_spawned(spawns: list[tuple[str, str]], args) -> tuple[list[dict], list[str]]:
+    """Each server in turn, --rounds times: started, measured, stopped. Every turn is a result
+    of its own (labelled NAME #turn), the same prompts for every turn of the throughput
+    benchmark (each server starts with an empty prefix cache), new prefixes each pair with
+    --prefix-cache-ttft."""
+    rng = np.random.default_rng(args.seed)
+    one_round = argparse.Namespace(**{**vars(args), "rounds": 1})
+    results, labels = [], []
+    several = len(args.concurrency) > 1
+    for r in range(args.rounds):
+        for name, command in spawns:
+            with spawned(name, command, args.spawn_timeout) as url:
+                if args.prefix_cache_ttft:
+                    got = [asyncio.run(prefix_cache_round(url, args, rng))]
+                else:
+                    got = bench([url], one_round)
+            results += got
+            labels += [f"{name} #{r + 1}" + (f" c={g['concurrency']}" if several else "") for g in got]
+    return results, labels
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if bool(args.url) == bool(args.spawn):
+            raise UserError("give the servers as --url (running) or as --spawn (started here), one of the two")
+        if args.spawn and args.label:
+            raise UserError("--label: with --spawn the names label the columns")
+        spawns = parse_spawn(args.spawn) if args.spawn else None
         if args.label and len(args.label) != len(args.url):
             raise UserError("--label: give one per --url")
         for name in ("num_requests", "input_len", "output_len", "rounds", "prefix_len"):
@@ -376,11 +490,14 @@ def main(argv=None) -> int:
                 raise UserError(f"--{name.replace('_', '-')}: must be at least 1")
         if not args.concurrency or min(args.concurrency) < 1:
             raise UserError("--concurrency: give positive numbers (1 or 1,8,64)")
-        urls = [url.rstrip("/") for url in args.url]
+        urls = [url.rstrip("/") for url in args.url or ()]
         if args.seed is None:  # drawn here, so that the JSON report says which prompts were sent
             args.seed = int(np.random.SeedSequence().entropy % 2**32)
+        labels = args.label
         try:
-            if args.prefix_cache_ttft:
+            if spawns:
+                results, labels = measure_spawned(spawns, args)
+            elif args.prefix_cache_ttft:
                 rng = np.random.default_rng(args.seed)
                 results = [asyncio.run(prefix_cache_round(url, args, rng)) for url in urls]
             else:
@@ -397,14 +514,15 @@ def main(argv=None) -> int:
     if args.json:
         write_json(args.json, {"args": vars(args), "results": results}, indent=2)
     if args.prefix_cache_ttft:
-        print(format_prefix_table(results, args.label or [r["url"] for r in results]))
+        print(format_prefix_table(results, labels or [r["url"] for r in results]))
         if args.max_ttft_ratio is not None and any(r["ratio"] > args.max_ttft_ratio for r in results):
             print(f"FAILED: cached / uncached TTFT above --max-ttft-ratio {args.max_ttft_ratio}", file=sys.stderr)
             return 1
         return 0
     several = len(args.concurrency) > 1
-    labels = ([f"{lb} c={c}" if several else lb for c in args.concurrency for lb in args.label] if args.label
-              else [_label(r, several) for r in results])
+    if not spawns:
+        labels = ([f"{lb} c={c}" if several else lb for c in args.concurrency for lb in args.label] if args.label
+                  else [_label(r, several) for r in results])
     print(format_table(results, labels))
     if args.min_running is not None and any(r["peak_running"] < args.min_running for r in results):
         print(f"FAILED: fewer than --min-running {args.min_running} requests ran at once", file=sys.stderr)

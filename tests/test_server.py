@@ -739,6 +739,38 @@ def test_bench_serve_paged_cache_checks(fake_server, tmp_path, capsys):
     assert "prefix-cache hits" in capsys.readouterr().out
 
 
+@pytest.mark.timeout(180)
+def test_bench_serve_spawns_servers_in_turn(tmp_path, capsys):
+    """--spawn: each server command is started on a free port, measured once it answers
+    /health, and stopped before the next one starts (A, B, A, B with --rounds 2), each turn
+    reported under its name; a command that dies, or never answers, ends in one line (exit 2)
+    naming the server, with no process left behind."""
+    import subprocess as sp
+
+    from bench import bench_serve
+
+    serve = f"{sys.executable} {ROOT / 'scripts' / 'serve.py'} --model glm-4.5-air-tiny --max-model-len 256 --port {{port}}"
+    out = tmp_path / "spawn.json"
+    code = bench_serve.main(["--prefix-cache-ttft", "--prefix-len", "40", "--input-len", "4", "--num-requests", "2",
+                             "--warmup", "1", "--rounds", "2", "--spawn", f"a={serve}",
+                             "--spawn", f"b={serve} --no-enable-prefix-caching", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert [line.split(":")[0] for line in printed.splitlines() if "pairs" in line] == ["a #1", "b #1", "a #2", "b #2"]
+    results = json.loads(out.read_text())["results"]
+    assert [r["prefix_cache_hits"] for r in results] == [2 * 32, 0, 2 * 32, 0]  # b: prefix caching off
+    assert len({r["url"] for r in results}) == 4  # a fresh server (and port) every turn
+    dead = f"bad={sys.executable} -c 'import sys; print(\"no model here {{port}}\"); sys.exit(3)'"
+    assert bench_serve.main(["--prefix-cache-ttft", "--spawn", dead]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --spawn bad: the server exited (3)") and "no model here" in err[-1]
+    silent = f"mute={sys.executable} -c 'import time; time.sleep(60)  # {{port}}'"
+    assert bench_serve.main(["--prefix-cache-ttft", "--spawn", silent, "--spawn-timeout", "1"]) == 2
+    assert "no 200 from /health within 1 s" in capsys.readouterr().err
+    left = sp.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True).stdout.split()
+    assert not left, left
+
+
 # ---- the torch backend behind the same server ------------------------------------------------
 @pytest.mark.timeout(300)
 def test_torch_backend_serves_the_same_greedy_tokens(tmp_path):
