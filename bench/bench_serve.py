@@ -397,6 +397,10 @@ def parse_spawn(items: list[str]) -> list[tuple[str, str]]:
             raise UserError(f"--spawn {name}: the command must put the server's port where {{port}} stands")
         if name in (n for n, _ in out):
             raise UserError(f"--spawn {name}: the name is given twice")
+        try:
+            shlex.split(command)
+        except ValueError as exc:  # an unclosed quote
+            raise UserError(f"--spawn {name}: {exc}") from None
         out.append((name, command))
     return out
 
