@@ -308,7 +308,7 @@ def test_cuda_graph_decode_matches_eager(cuda, monkeypatch, quantization):
     from glm_fused.torch_backend import cuda_graph
     from glm_fused.torch_backend.kernels.decode_attention import row_groups
 
-    # Chunks after any cached context replay the grouped graphs (by default only after 256
+    # Chunks after any cached context replay the grouped graphs (by default only after 512
     # positions, more than this model holds); fresh ones still replay the plain graphs.
     monkeypatch.setattr(cuda_graph, "GROUPED_MIN_CONTEXT", 1)
     grouped_steps = []
