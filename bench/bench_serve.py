@@ -498,6 +498,7 @@ def main(argv=None) -> int:
         if args.seed is None:  # drawn here, so that the JSON report says which prompts were sent
             args.seed = int(np.random.SeedSequence().entropy % 2**32)
         labels = args.label
+        where = "--spawn" if spawns else "--url"  # what a connection error names
         try:
             if spawns:
                 results, labels = measure_spawned(spawns, args)
@@ -507,10 +508,10 @@ def main(argv=None) -> int:
             else:
                 results = bench(urls, args)
         except (OSError, RuntimeError) as exc:
-            raise UserError(f"--url: {exc}") from None
+            raise UserError(f"{where}: {exc}") from None
         except Exception as exc:  # aiohttp's connection and status errors
             if type(exc).__module__.startswith("aiohttp"):
-                raise UserError(f"--url: {type(exc).__name__}: {exc}") from None
+                raise UserError(f"{where}: {type(exc).__name__}: {exc}") from None
             raise
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

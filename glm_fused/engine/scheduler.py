@@ -29,7 +29,6 @@ so new ones never need a row while they wait.
 from __future__ import annotations
 
 import time
-
 from collections import deque
 from dataclasses import dataclass
 
