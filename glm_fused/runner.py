@@ -304,11 +304,12 @@ class ModelRunner:
                 rows = F.upload(batch.logits_indices, like)
             hidden = self.graphs.run(batch)  # a row per token
             return hidden[rows] if isinstance(rows, slice) else F.index_rows(hidden, rows)
-        ids = F.tensor(batch.input_ids, like)
+        # F.upload: a plain copy would wait for the step still running on the device (overlap lost)
+        ids = F.upload(batch.input_ids, like)
         if (batch.input_ids < 0).any():  # placeholders: the tokens the last step sampled
-            token_rows = F.tensor(np.repeat(batch.rows, batch.query_lens), like)
+            token_rows = F.upload(np.repeat(batch.rows, batch.query_lens), like)
             ids = F.where(ids < 0, F.index_rows(self.next_tokens, token_rows), ids)
-        return self.model(ids, F.tensor(batch.positions, like), batch, self.kv_caches)
+        return self.model(ids, F.upload(batch.positions, like), batch, self.kv_caches)
 
     def _check(self, batch: ForwardBatch) -> None:
         # The engine sizes batches from the same settings; a violation is a bug, not a user error.

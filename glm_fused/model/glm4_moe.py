@@ -137,8 +137,10 @@ class Glm4MoeModel(Module):
     def forward(self, input_ids, positions, batch: ForwardBatch, kv_caches: list):
         """Hidden states ``[len(batch.logits_indices), H]`` after the final norm."""
         meta = AttentionMetadata.from_batch(batch, self.F, like=input_ids, block_size=kv_caches[0][0].shape[1])
-        hidden = self.forward_hidden(input_ids, positions, meta, kv_caches)
-        return self.F.index_rows(hidden, self.F.tensor(batch.logits_indices, like=hidden))
+        # uploaded before the layers, through page-locked memory: a plain copy after them would
+        # hold the host until the device had run the whole forward
+        rows = self.F.upload(batch.logits_indices, like=input_ids)
+        return self.F.index_rows(self.forward_hidden(input_ids, positions, meta, kv_caches), rows)
 
     def forward_hidden(self, input_ids, positions, meta: AttentionMetadata, kv_caches: list):
         """Normed hidden states of every token; only device work (what a CUDA graph captures)."""
