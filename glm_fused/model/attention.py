@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from glm_fused.batch import ForwardBatch, attention_plan
+from glm_fused.batch import ForwardBatch, attention_plan, causal_mask
 from glm_fused.model.module import Module
 
 
@@ -68,9 +68,10 @@ class AttentionMetadata:
         up = F.upload  # small host arrays: never wait for the step still running on the device
         fresh_limit = F.batched_prefill(like)
         batched = fresh_limit is not None
-        # A fresh prompt (no cached context) is plain causal: no mask needed; nor for the batched kernel.
-        masks = [None if m is None or context == 0 or batched else up(m, like)
-                 for (context, _, _), m in zip(plan.seqs, plan.masks)]
+        # A fresh prompt (no cached context) is plain causal: no mask needed; nor for the batched
+        # kernel, nor for a single query (it sees the whole prefix).
+        masks = [None if n == 1 or context == 0 or batched else up(causal_mask(context, n), like)
+                 for context, n, _ in plan.seqs]
         seq_blocks = flat = None
         if plan.decode_visible is None:  # batched decode reads through the block tables instead
             # One upload, then each sequence's blocks as a slice of it.
