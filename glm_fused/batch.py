@@ -122,24 +122,28 @@ def slot_block_tables(slots, blocks_per_slot: int) -> np.ndarray:
 class AttentionPlan:
     """Host-side attention bookkeeping of one batch (numpy), shared by every layer and backend.
 
-    ``decode_visible`` is ``[S, longest context + 1]`` when every sequence decodes one token,
-    so all of them can attend in one call over keys padded to the longest.
+    ``all_decode``: more than one sequence, each decoding one token, so all of them can attend
+    in one call (``decode_visible`` the mask where that call pads keys to the longest).
     """
 
     slot_mapping: np.ndarray                  # [T] cache row of each new token (block * block_size + offset)
     seqs: list[tuple[int, int, int]]          # (context_len, query_len, first token) per sequence
     seq_blocks: list[np.ndarray]              # per sequence: the blocks holding its keys, in order
-    decode_visible: np.ndarray | None
+    all_decode: bool
 
 
 def attention_plan(batch: ForwardBatch, block_size: int) -> AttentionPlan:
     seqs = list(zip(batch.context_lens.tolist(), batch.query_lens.tolist(), batch.seq_starts.tolist()))
     seq_blocks = [batch.block_tables[s, :-(-(context + n) // block_size)] for s, (context, n, _) in enumerate(seqs)]
-    decode_visible = None
-    if batch.num_seqs > 1 and bool(np.all(batch.query_lens == 1)):
-        lengths = batch.context_lens + 1
-        decode_visible = np.arange(int(lengths.max()))[None, :] < lengths[:, None]
-    return AttentionPlan(batch.slot_mapping(block_size), seqs, seq_blocks, decode_visible)
+    all_decode = batch.num_seqs > 1 and bool(np.all(batch.query_lens == 1))
+    return AttentionPlan(batch.slot_mapping(block_size), seqs, seq_blocks, all_decode)
+
+
+def decode_visible(lengths: np.ndarray) -> np.ndarray:
+    """``[S, longest]``: True where sequence s (``lengths[s]`` keys) sees key j, for one call over
+    keys padded to the longest. Made only where a path reads it (the plain ops; the kernels read
+    the lengths): 256 KiB at batch 64 and 4,096 keys."""
+    return np.arange(int(lengths.max()))[None, :] < lengths[:, None]
 
 
 def causal_mask(context: int, n: int) -> np.ndarray:

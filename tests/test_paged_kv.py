@@ -73,3 +73,28 @@ def test_a_prompt_chunk_as_one_token_rows_gives_the_same_logits(framework):
     got = runner.forward(rows)  # writes the same cache rows with the same values
     assert np.abs(got - want).max() / np.abs(want).max() <= 1e-5
     runner.close()
+
+
+def test_the_decode_mask_is_made_only_for_the_plain_ops():
+    """An all-decode step's padded-keys mask: the plain ops read it (values as the lengths say);
+    where a decode kernel reads the lengths instead (``batched_prefill`` not None), none is made."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from glm_fused.batch import ForwardBatch
+    from glm_fused.model.attention import AttentionMetadata
+    from glm_fused.torch_backend import OPS
+
+    tables = np.array([[3, 1, 0], [2, 4, 5]])
+    step = ForwardBatch.decode([7, 8], [5, 9], tables)  # contexts 5 and 9: 6 and 10 keys
+    like = torch.zeros(1)
+    meta = AttentionMetadata.from_batch(step, OPS, like, 4)
+    assert meta.decode_mask.shape == (2, 1, 1, 10)
+    assert meta.decode_mask[:, 0, 0].sum(1).tolist() == [6, 10] and meta.seq_lens.tolist() == [6, 10]
+
+    class KernelOps(type(OPS)):
+        def batched_prefill(self, like):
+            return 64
+
+    meta = AttentionMetadata.from_batch(step, KernelOps(), like, 4)
+    assert meta.decode_mask is None and meta.seq_lens.tolist() == [6, 10]

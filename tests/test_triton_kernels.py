@@ -275,6 +275,10 @@ def test_attention_kernels_at_air_sizes(cuda):
     res = triton_checks.check_decode_attention("cuda", torch.float32, lens=(3, 100), heads=24, kv_heads=2,
                                                head_dim=128)
     _assert_checks({"decode_attention_fp32": res}, FP32_TOL)
+    # a batch of 40 x 8 kv heads: one split, the output written by stage 1
+    res = triton_checks.check_decode_attention("cuda", torch.bfloat16, lens=tuple(range(1, 4001, 100)), heads=96,
+                                               kv_heads=8, head_dim=128)
+    _assert_checks({"decode_attention_one_split": res}, BF16_TOL)
     for page in (16, 64):  # prompt chunks as rows, grouped (the CUDA graphs' chunk steps)
         res = triton_checks.check_grouped_decode_attention("cuda", torch.bfloat16, runs=((2048, 32), (700, 1), (0, 5),
                                                                                          (100, 63)),

@@ -121,7 +121,7 @@ def check_decode_attention(device, dtype, lens=(1, 70, 200, 33), heads=12, kv_he
     kc = torch.randn(S + 2, width * page, kv_heads, head_dim, generator=g).to(device, dtype)
     vc = torch.randn(S + 2, width * page, kv_heads, head_dim, generator=g).to(device, dtype)
     q = torch.randn(S, heads, head_dim, generator=g).to(device, dtype)
-    slots = torch.tensor([3, 0, 5, 1][:S], device=device)
+    slots = torch.randperm(S + 2, generator=g)[:S].to(device)
     seq_lens = torch.tensor(lens, device=device)
     num_blocks = (S + 2) * width
     perm = torch.randperm(num_blocks, generator=g).to(device)  # logical block i lives in physical perm[i]
@@ -490,8 +490,12 @@ CHECKS = {"add_rmsnorm": check_add_rmsnorm, "silu_and_mul": check_silu_and_mul, 
           # pages smaller than the kernel's 64-key tile (several pages per tile) and larger
           "decode_attention_page4": lambda d, t: check_decode_attention(d, t, lens=(5, 70), heads=4, kv_heads=1,
                                                                          page=4, contiguous=False),
+          # (head_dim 128: stage 2 merges one head per program, as at GLM-4.5-Air's size)
           "decode_attention_page128": lambda d, t: check_decode_attention(d, t, lens=(129, 3), heads=4, kv_heads=1,
-                                                                           page=128, contiguous=False),
+                                                                           head_dim=128, page=128, contiguous=False),
+          # 67 rows x 2 kv heads fill the GPU with one split each: stage 1 writes the output itself
+          "decode_attention_one_split": lambda d, t: check_decode_attention(d, t, lens=tuple(range(1, 68)), heads=4,
+                                                                             kv_heads=2, contiguous=False),
           "grouped_decode_attention": check_grouped_decode_attention,
           "prefill_attention": check_prefill_attention,
           "prefill_attention_page4": lambda d, t: check_prefill_attention(d, t, chunks=((3, 9), (0, 66)), heads=4,

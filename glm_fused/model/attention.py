@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from glm_fused.batch import ForwardBatch, attention_plan, causal_mask
+from glm_fused.batch import ForwardBatch, attention_plan, causal_mask, decode_visible
 from glm_fused.model.module import Module
 
 
@@ -73,7 +73,7 @@ class AttentionMetadata:
         masks = [None if n == 1 or context == 0 or batched else up(causal_mask(context, n), like)
                  for context, n, _ in plan.seqs]
         seq_blocks = flat = None
-        if plan.decode_visible is None:  # batched decode reads through the block tables instead
+        if not plan.all_decode:  # batched decode reads through the block tables instead
             # One upload, then each sequence's blocks as a slice of it.
             counts = np.array([len(b) for b in plan.seq_blocks])
             ends = np.cumsum(counts)
@@ -104,8 +104,8 @@ class AttentionMetadata:
                 block0 = ends - counts
                 meta.chunks = up(np.stack([first[take], query[take], context[take], block0[take]]), like)
                 meta.chunk_blocks, meta.chunks_max_len = flat, int(query[take].max())
-        if plan.decode_visible is not None:
-            meta.decode_mask = up(plan.decode_visible, like)[:, None, None, :]
+        if plan.all_decode and not batched:  # (the kernels read the lengths)
+            meta.decode_mask = up(decode_visible(batch.context_lens + 1), like)[:, None, None, :]
         return meta
 
 

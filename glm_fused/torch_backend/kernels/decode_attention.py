@@ -33,14 +33,15 @@ from glm_fused.torch_backend.kernels.pdl import pdl_args, pdl_wait
 BLOCK_N = 64
 TARGET_PROGRAMS = 264  # about two per multiprocessor of an H100/H200
 MAX_SPLITS = 64
-GROUP_ROWS = 4  # rows of one sequence per program, with lead (decode_attention)
+GROUP_ROWS = 4  # rows of one sequence per program, with lead (decode_attention); 8 was slower (docs/speed.md)
+STAGE2_ELEMENTS = 8192  # fp32 partial outputs one stage-2 program merges (heads x splits x head_dim)
 
 # Few compiled variants serve every step: the split count and the block table's width change
 # with the batch, so they are plain arguments, not specialised on (each new value compiled in
-# the middle of serving stalled a step for 0.5-0.9 s, docs/speed.md). Stage 2 has two builds,
-# one split or up to MAX_SPLITS (a 64-row tile where one row is used cost +20 µs at batch 64);
-# the runner's warm-up runs both. The log-sum-exp buffer is MAX_SPLITS wide whatever the split
-# count, so its strides keep one alignment.
+# the middle of serving stalled a step for 0.5-0.9 s, docs/speed.md). A decode step of one
+# split (large batches) writes its output from stage 1 (a build of its own) and has no stage 2;
+# otherwise stage 2 merges up to MAX_SPLITS; the runner's warm-up runs both. The log-sum-exp
+# buffer is MAX_SPLITS wide whatever the split count, so its strides keep one alignment.
 
 
 @triton.jit
@@ -56,13 +57,18 @@ def _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, k
             stride_qs, stride_qh, stride_table, stride_cblock, stride_cpos, stride_ch,
             stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
             GROUP: tl.constexpr, GROUP_B: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-            PREC: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr):
-    """One split of rows ``s .. s + n_rows - 1`` (R == 1: row s alone) for kv head ``kvh``."""
+            PREC: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, DIRECT: tl.constexpr):
+    """One split of rows ``s .. s + n_rows - 1`` (R == 1: row s alone) for kv head ``kvh``.
+    DIRECT (R == 1, one split): the row's output itself, in ``o_ptr``'s dtype (zeros for a row
+    without keys, a graph's padding row)."""
     if R == 1:
         length = tl.load(len_ptr + s).to(tl.int32)
         start, end = _split_range(length, split, splits, BLOCK)
         g = tl.arange(0, GROUP_B)
-        gm = (g < GROUP) & (start < end)  # a split past the end writes nothing: stage 2 skips it
+        if DIRECT:
+            gm = g < GROUP
+        else:
+            gm = (g < GROUP) & (start < end)  # a split past the end writes nothing: stage 2 skips it
         q_row, o_row, lse_row = s * stride_qs, s * stride_os, s * stride_ls
     else:  # R consecutive rows of one sequence share every key tile loaded
         i = tl.arange(0, R * GROUP_B)
@@ -121,9 +127,14 @@ def _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, k
         m = m_new
     has = lsum > 0
     out = acc / tl.where(has, lsum, 1.0)[:, None]
-    tl.store(o_ptr + o_row + heads[:, None] * stride_oh + split * stride_osp + d[None, :], out, mask=gm[:, None])
-    tl.store(lse_ptr + lse_row + heads * stride_lh + split, tl.where(has, m + tl.log(lsum), float("-inf")),
-             mask=gm)
+    if DIRECT:  # o_ptr is the output [S, heads, D] (strides stride_os, stride_oh)
+        tl.store(o_ptr + o_row + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=gm[:, None])
+    else:
+        tl.store(o_ptr + o_row + heads[:, None] * stride_oh + split * stride_osp + d[None, :], out,
+                 mask=gm[:, None])
+        tl.store(lse_ptr + lse_row + heads * stride_lh + split, tl.where(has, m + tl.log(lsum), float("-inf")),
+                 mask=gm)
 
 
 @triton.jit(do_not_specialize=["splits", "stride_table"])
@@ -132,7 +143,7 @@ def _stage1(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, lead_ptr, o_ptr, lse_ptr, s
             stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
             GROUP: tl.constexpr, GROUP_B: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK: tl.constexpr, PREC: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-            PDL: tl.constexpr, ROWS: tl.constexpr, LONE: tl.constexpr):
+            PDL: tl.constexpr, ROWS: tl.constexpr, LONE: tl.constexpr, DIRECT: tl.constexpr):
     """ROWS == 1: a program per row (LONE: only the rows alone in their group); ROWS > 1: a
     program per group of more than one row. Two builds, so that a row alone runs exactly the
     decode kernel (one build with both paths would size every program's registers for the
@@ -150,23 +161,24 @@ def _stage1(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, lead_ptr, o_ptr, lse_ptr, s
             _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, kvh, split, splits, 1,
                     stride_qs, stride_qh, stride_table, stride_cblock, stride_cpos, stride_ch,
                     stride_os, stride_oh, stride_osp, stride_ls, stride_lh, GROUP, GROUP_B, HEAD_DIM, BLOCK,
-                    PREC, PAGED, PAGE, 1)
+                    PREC, PAGED, PAGE, 1, DIRECT)
     else:  # a group's first row holds its size, the others 0
         n_rows = tl.load(lead_ptr + s).to(tl.int32)
         if n_rows > 1:
             _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, kvh, split, splits, n_rows,
                     stride_qs, stride_qh, stride_table, stride_cblock, stride_cpos, stride_ch,
                     stride_os, stride_oh, stride_osp, stride_ls, stride_lh, GROUP, GROUP_B, HEAD_DIM, BLOCK,
-                    PREC, PAGED, PAGE, ROWS)
+                    PREC, PAGED, PAGE, ROWS, False)
 
 
 @triton.jit(do_not_specialize=["splits", "splits1"])
-def _stage2(o_ptr, lse_ptr, len_ptr, lead_ptr, out_ptr, splits, splits1, stride_os, stride_oh, stride_osp,
-            stride_ls, stride_lh, stride_outs, stride_outh, SPLITS_B: tl.constexpr, HEAD_DIM: tl.constexpr,
-            BLOCK: tl.constexpr, PDL: tl.constexpr, GROUPED: tl.constexpr):
+def _stage2(o_ptr, lse_ptr, len_ptr, lead_ptr, out_ptr, splits, splits1, num_heads, stride_os, stride_oh, stride_osp,
+            stride_ls, stride_lh, stride_outs, stride_outh, SPLITS_B: tl.constexpr, HEADS_B: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, GROUPED: tl.constexpr):
+    """HEADS_B heads of row s per program: a program per (row, head) was thousands of tiny
+    programs (10 µs for 32 rows x 96 heads x 4 splits on an H200)."""
     pdl_wait(PDL)
     s = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_B)
     if GROUPED:  # a row of a group: every split of the group's was written (empty ones as -inf)
         lead = tl.load(lead_ptr + s)
@@ -176,14 +188,28 @@ def _stage2(o_ptr, lse_ptr, len_ptr, lead_ptr, out_ptr, splits, splits1, stride_
     else:
         start, end = _split_range(tl.load(len_ptr + s).to(tl.int32), sp, splits, BLOCK)
         spm = (sp < splits) & (start < end)  # only the splits that had keys (at batch 1 and 512 keys: 8 of 33)
-    lse = tl.load(lse_ptr + s * stride_ls + h * stride_lh + sp, mask=spm, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, axis=0))
-    w = w / tl.sum(w, axis=0)
     d = tl.arange(0, HEAD_DIM)
-    o = tl.load(o_ptr + s * stride_os + h * stride_oh + sp[:, None] * stride_osp + d[None, :], mask=spm[:, None],
-                other=0.0)
-    out = tl.sum(o * w[:, None], axis=0)
-    tl.store(out_ptr + s * stride_outs + h * stride_outh + d, out.to(out_ptr.dtype.element_ty))
+    if HEADS_B == 1:  # one head, 1-D tiles (the 2-D form below cost +0.3 µs at batch 1, H200)
+        h = tl.program_id(1)
+        lse = tl.load(lse_ptr + s * stride_ls + h * stride_lh + sp, mask=spm, other=float("-inf"))
+        w = tl.exp(lse - tl.max(lse, axis=0))
+        w = w / tl.sum(w, axis=0)
+        o = tl.load(o_ptr + s * stride_os + h * stride_oh + sp[:, None] * stride_osp + d[None, :], mask=spm[:, None],
+                    other=0.0)
+        out = tl.sum(o * w[:, None], axis=0)
+        tl.store(out_ptr + s * stride_outs + h * stride_outh + d, out.to(out_ptr.dtype.element_ty))
+    else:
+        h = tl.program_id(1) * HEADS_B + tl.arange(0, HEADS_B)
+        hm = h < num_heads
+        m2 = hm[:, None] & spm[None, :]
+        lse = tl.load(lse_ptr + s * stride_ls + h[:, None] * stride_lh + sp[None, :], mask=m2, other=float("-inf"))
+        w = tl.exp(lse - tl.max(lse, axis=1)[:, None])
+        w = w / tl.sum(w, axis=1)[:, None]
+        o = tl.load(o_ptr + s * stride_os + h[:, None, None] * stride_oh + sp[None, :, None] * stride_osp
+                    + d[None, None, :], mask=m2[:, :, None], other=0.0)
+        out = tl.sum(o * w[:, :, None], axis=1)
+        tl.store(out_ptr + s * stride_outs + h[:, None] * stride_outh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=hm[:, None])
 
 
 def num_splits(num_seqs: int, num_kv_heads: int) -> int:
@@ -241,23 +267,32 @@ def _launch(q, k_cache, v_cache, table, stride_table, seq_lens, scale, paged, pa
     rows = 1 if lead is None else GROUP_ROWS
     splits1 = num_splits(S, nkv)  # a program per row
     splits = splits1 if lead is None else num_splits(-(-S // rows), nkv)  # a program per group: at least as many
-    o = torch.empty(S, nh, splits, D, dtype=torch.float32, device=q.device)
-    lse = torch.empty(S, nh, MAX_SPLITS, dtype=torch.float32, device=q.device)
     out = torch.empty(S, nh, D, dtype=q.dtype, device=q.device)
     if S == 0:
         return out
+    direct = lead is None and splits1 == 1  # one split: stage 1 writes the output, no stage 2
+    o = out if direct else torch.empty(S, nh, splits, D, dtype=torch.float32, device=q.device)
+    lse = out if direct else torch.empty(S, nh, MAX_SPLITS, dtype=torch.float32, device=q.device)  # (out: unused)
     args = (q, k_cache, v_cache, table, seq_lens, seq_lens if lead is None else lead, o, lse, scale)
+    o_strides = (o.stride(0), o.stride(1), 0 if direct else o.stride(2))
     strides = (q.stride(0), q.stride(1), stride_table, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-               o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1))
+               *o_strides, lse.stride(0), lse.stride(1))
     consts = dict(GROUP=group, GROUP_B=max(16, next_pow2(group)), HEAD_DIM=D, BLOCK=BLOCK_N, PREC=dot_precision(q.dtype),
-                  PAGED=paged, PAGE=page, num_warps=4, num_stages=2, **pdl_args(q))
-    _stage1[(S, nkv, splits1)](*args, splits1, *strides, ROWS=1, LONE=lead is not None, **consts)
-    if lead is not None:
-        _stage1[(S, nkv, splits)](*args, splits, *strides, ROWS=rows, LONE=False, **consts)
+                  PAGED=paged, PAGE=page, num_warps=4, **pdl_args(q))
+    _stage1[(S, nkv, splits1)](*args, splits1, *strides, ROWS=1, LONE=lead is not None, DIRECT=direct, num_stages=2,
+                               **consts)
+    if direct:
+        return out
+    if lead is not None:  # (3 stages: 3-10% faster than 2 for 32-64 rows after 1,024-2,048 keys, H200)
+        _stage1[(S, nkv, splits)](*args, splits, *strides, ROWS=rows, LONE=False, DIRECT=False, num_stages=3,
+                                  **consts)
     # Grouped steps run only from CUDA graphs, every size compiled at capture: a build per split
-    # count costs nothing later; a decode step's split count changes with its batch (two builds).
-    splits_b = (1 if splits == 1 else MAX_SPLITS) if rows == 1 else next_pow2(splits)
-    _stage2[(S, nh)](o, lse, seq_lens, args[5], out, splits, splits1, o.stride(0), o.stride(1), o.stride(2),
-                     lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), SPLITS_B=splits_b, HEAD_DIM=D,
-                     BLOCK=BLOCK_N, GROUPED=rows > 1, num_warps=4, **pdl_args(q))
+    # count costs nothing later; a decode step's split count changes with its batch (two builds:
+    # up to MAX_SPLITS, or one, where stage 1 writes the output).
+    splits_b = MAX_SPLITS if rows == 1 else next_pow2(splits)
+    heads_b = min(next_pow2(nh), max(1, STAGE2_ELEMENTS // (splits_b * D)))
+    _stage2[(S, triton.cdiv(nh, heads_b))](
+        o, lse, seq_lens, args[5], out, splits, splits1, nh, o.stride(0), o.stride(1), o.stride(2), lse.stride(0),
+        lse.stride(1), out.stride(0), out.stride(1), SPLITS_B=splits_b, HEADS_B=heads_b, HEAD_DIM=D, BLOCK=BLOCK_N,
+        GROUPED=rows > 1, num_warps=4, **pdl_args(q))
     return out
