@@ -168,9 +168,9 @@ class ModelRunner:
 
     def _warm_up(self) -> None:
         """Compile every kernel variant before serving: prompt steps of ``WARM_TOKENS`` (and of
-        the step limit less one) and steps mixing decodes with a prompt chunk (2 decodes, and
-        the most a step can hold: the decode kernel's builds depend on their number). Garbage
-        goes into blocks no sequence holds yet."""
+        the step limit less one) and steps mixing decodes with a prompt chunk (2, 4, 8, ...
+        decodes and the most a step can hold: the decode kernel's builds depend on their
+        number). Garbage goes into blocks no sequence holds yet."""
         F, a = self.F, self.args
         limit = a.max_num_batched_tokens
         sizes = sorted({t for t in self.WARM_TOKENS if t <= limit} | {limit - 1, limit} - {0})
@@ -186,7 +186,10 @@ class ModelRunner:
                                 np.cumsum(query) - 1, np.concatenate([table(16)] * len(query)))
 
         batches = [ForwardBatch.prefill([[0] * t], table(t)) for t in sizes]
-        batches += [mixed(d) for d in sorted({2, a.max_num_seqs - 1}) if d >= 2 and d + 3 <= limit]
+        # decode counts doubling from 2, and the most: the decode kernel's builds change with
+        # the batch times the kv heads at two thresholds a factor 2 apart (kernels/decode_attention.py)
+        counts = {1 << i for i in range(1, (a.max_num_seqs - 1).bit_length())} | {a.max_num_seqs - 1}
+        batches += [mixed(d) for d in sorted(counts) if d >= 2 and d + 3 <= limit]
         like = self.model.embed_tokens.weight
         with F.no_grad():
             for batch in batches:
