@@ -40,7 +40,7 @@ STAGE2_ELEMENTS = 8192  # fp32 partial outputs one stage-2 program merges (heads
 # with the batch, so they are plain arguments, not specialised on (each new value compiled in
 # the middle of serving stalled a step for 0.5-0.9 s, docs/speed.md). A decode step of one
 # split (large batches) writes its output from stage 1 (a build of its own) and has no stage 2;
-# otherwise stage 2 merges up to MAX_SPLITS; the runner's warm-up runs both. The log-sum-exp
+# otherwise stage 2 merges up to MAX_SPLITS; the runner's warm-up runs every build. The log-sum-exp
 # buffer is MAX_SPLITS wide whatever the split count, so its strides keep one alignment.
 
 
@@ -189,7 +189,7 @@ def _stage2(o_ptr, lse_ptr, len_ptr, lead_ptr, out_ptr, splits, splits1, num_hea
         start, end = _split_range(tl.load(len_ptr + s).to(tl.int32), sp, splits, BLOCK)
         spm = (sp < splits) & (start < end)  # only the splits that had keys (at batch 1 and 512 keys: 8 of 33)
     d = tl.arange(0, HEAD_DIM)
-    if HEADS_B == 1:  # one head, 1-D tiles (the 2-D form below cost +0.3 µs at batch 1, H200)
+    if HEADS_B == 1:  # one head, 1-D tiles (heads as a tile dimension cost +0.3 µs at batch 1, H200)
         h = tl.program_id(1)
         lse = tl.load(lse_ptr + s * stride_ls + h * stride_lh + sp, mask=spm, other=float("-inf"))
         w = tl.exp(lse - tl.max(lse, axis=0))
@@ -286,7 +286,7 @@ def _launch(q, k_cache, v_cache, table, stride_table, seq_lens, scale, paged, pa
                                num_stages=stages, **consts)
     if direct:
         return out
-    if lead is not None:  # (3 stages: 3-10% faster than 2 for 32-64 rows after 1,024-2,048 keys, H200)
+    if lead is not None:  # (3 stages: 2-9% faster than 2 for 32-64 rows after 1,024-2,048 keys, H200)
         _stage1[(S, nkv, splits)](*args, splits, *strides, ROWS=rows, LONE=False, DIRECT=False, num_stages=3,
                                   **consts)
     # Grouped steps run only from CUDA graphs, every size compiled at capture: a build per split
