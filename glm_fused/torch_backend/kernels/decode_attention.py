@@ -274,9 +274,8 @@ def _launch(q, k_cache, v_cache, table, stride_table, seq_lens, scale, paged, pa
     o = out if direct else torch.empty(S, nh, splits, D, dtype=torch.float32, device=q.device)
     lse = out if direct else torch.empty(S, nh, MAX_SPLITS, dtype=torch.float32, device=q.device)  # (out: unused)
     args = (q, k_cache, v_cache, table, seq_lens, seq_lens if lead is None else lead, o, lse, scale)
-    o_strides = (o.stride(0), o.stride(1), 0 if direct else o.stride(2))
     strides = (q.stride(0), q.stride(1), stride_table, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-               *o_strides, lse.stride(0), lse.stride(1))
+               o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1))  # (DIRECT reads no split stride)
     consts = dict(GROUP=group, GROUP_B=max(16, next_pow2(group)), HEAD_DIM=D, BLOCK=BLOCK_N, PREC=dot_precision(q.dtype),
                   PAGED=paged, PAGE=page, num_warps=4, **pdl_args(q))
     # A deeper pipeline while the programs fit about two per multiprocessor: 10-24% faster for
