@@ -57,10 +57,13 @@ def _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, k
             stride_qs, stride_qh, stride_table, stride_cblock, stride_cpos, stride_ch,
             stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
             GROUP: tl.constexpr, GROUP_B: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-            PREC: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, DIRECT: tl.constexpr):
+            PREC: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, DIRECT: tl.constexpr,
+            PDL: tl.constexpr):
     """One split of rows ``s .. s + n_rows - 1`` (R == 1: row s alone) for kv head ``kvh``.
     DIRECT (R == 1, one split): the row's output itself, in ``o_ptr``'s dtype (zeros for a row
-    without keys, a graph's padding row)."""
+    without keys, a graph's padding row). The lengths and the block table come from the host,
+    never from the kernel before: they are read before ``pdl_wait``, the first tile's page ids
+    included, so only the query and the keys wait on the kernel before."""
     if R == 1:
         length = tl.load(len_ptr + s).to(tl.int32)
         start, end = _split_range(length, split, splits, BLOCK)
@@ -81,35 +84,58 @@ def _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, k
         q_row, o_row, lse_row = row[:, None] * stride_qs, row[:, None] * stride_os, row * stride_ls
     heads = kvh * GROUP + g
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + q_row + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
     if PAGED:
         base = kvh * stride_ch
         table = table_ptr + s * stride_table
     else:  # contiguous: the table holds one slot per sequence
         base = tl.load(table_ptr + s).to(tl.int64) * stride_cblock + kvh * stride_ch
+    if PAGED:  # page ids loaded one tile ahead, so the key loads never wait on the table (at
+        # small batches that wait cost 12-15%); the first tile's before pdl_wait
+        if PAGE >= BLOCK:  # tiles start at multiples of BLOCK: one page holds the whole tile
+            pages = tl.load(table + start // PAGE, mask=start < end, other=0)
+        elif R == 1:  # a tile spans pages: each key's page
+            n = start + tl.arange(0, BLOCK)
+            pages = tl.load(table + n // PAGE, mask=n < end, other=0)
+        else:  # grouped rows: the ids of the tile's BLOCK // PAGE pages, the tile loaded as
+            # [pages, PAGE, D] (32 rows after 2,048 keys: 0.81x the time of a page id per key,
+            # H200; with one row, 1.4x: rows alone keep the per-key form)
+            pi = tl.arange(0, BLOCK // PAGE)
+            first = start // PAGE + pi
+            pages = tl.load(table + first, mask=first * PAGE < end, other=0)
+    pdl_wait(PDL)
+    q = tl.load(q_ptr + q_row + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
     m = tl.full([R * GROUP_B], float("-inf"), tl.float32)
     lsum = tl.zeros([R * GROUP_B], tl.float32)
     acc = tl.zeros([R * GROUP_B, HEAD_DIM], tl.float32)
-    if PAGED and PAGE < BLOCK:  # a tile spans pages: each row's page, loaded one tile ahead so the
-        # key loads never wait on the table (at small batches that wait cost 12-15%)
-        n = start + tl.arange(0, BLOCK)
-        pages = tl.load(table + n // PAGE, mask=n < end, other=0)
     for n0 in range(start, end, BLOCK):  # a split past the end runs no iteration
         n = n0 + tl.arange(0, BLOCK)
         nm = n < end
         if PAGED:
-            if PAGE >= BLOCK:  # tiles start at multiples of BLOCK: one page holds the whole tile
-                page = tl.load(table + n0 // PAGE).to(tl.int64)
-            else:
-                page = pages.to(tl.int64)
+            page = pages.to(tl.int64)
+            if PAGE >= BLOCK:
+                pages = tl.load(table + (n0 + BLOCK) // PAGE, mask=n0 + BLOCK < end, other=0)
+            elif R == 1:
                 ahead = n + BLOCK
                 pages = tl.load(table + ahead // PAGE, mask=ahead < end, other=0)
-            rows = page * stride_cblock + (n % PAGE).to(tl.int64) * stride_cpos
+            else:
+                ahead = (n0 + BLOCK) // PAGE + pi
+                pages = tl.load(table + ahead, mask=ahead * PAGE < end, other=0)
+            if PAGE >= BLOCK or R == 1:
+                rows = page * stride_cblock + (n % PAGE).to(tl.int64) * stride_cpos
+                offs = base + rows[:, None] + d[None, :]
+                k = tl.load(k_ptr + offs, mask=nm[:, None], other=0.0)
+                v = tl.load(v_ptr + offs, mask=nm[:, None], other=0.0)
+            else:
+                r = tl.arange(0, PAGE)
+                offs = (base + page[:, None, None] * stride_cblock + (r.to(tl.int64) * stride_cpos)[None, :, None]
+                        + d[None, None, :])
+                m3 = ((n0 + pi[:, None] * PAGE + r[None, :]) < end)[:, :, None]
+                k = tl.reshape(tl.load(k_ptr + offs, mask=m3, other=0.0), (BLOCK, HEAD_DIM))
+                v = tl.reshape(tl.load(v_ptr + offs, mask=m3, other=0.0), (BLOCK, HEAD_DIM))
         else:
-            rows = n.to(tl.int64) * stride_cpos
-        offs = base + rows[:, None] + d[None, :]
-        k = tl.load(k_ptr + offs, mask=nm[:, None], other=0.0)
-        v = tl.load(v_ptr + offs, mask=nm[:, None], other=0.0)
+            offs = base + (n.to(tl.int64) * stride_cpos)[:, None] + d[None, :]
+            k = tl.load(k_ptr + offs, mask=nm[:, None], other=0.0)
+            v = tl.load(v_ptr + offs, mask=nm[:, None], other=0.0)
         sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         if R == 1:
             sc = tl.where(nm[None, :], sc, float("-inf"))
@@ -147,8 +173,8 @@ def _stage1(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, lead_ptr, o_ptr, lse_ptr, s
     """ROWS == 1: a program per row (LONE: only the rows alone in their group); ROWS > 1: a
     program per group of more than one row. Two builds, so that a row alone runs exactly the
     decode kernel (one build with both paths would size every program's registers for the
-    grouped one)."""
-    pdl_wait(PDL)
+    grouped one). Every program passes ``pdl_wait``: in ``_attend``, after its host-written
+    reads, or here, where it has no work."""
     s = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -161,14 +187,18 @@ def _stage1(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, lead_ptr, o_ptr, lse_ptr, s
             _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, kvh, split, splits, 1,
                     stride_qs, stride_qh, stride_table, stride_cblock, stride_cpos, stride_ch,
                     stride_os, stride_oh, stride_osp, stride_ls, stride_lh, GROUP, GROUP_B, HEAD_DIM, BLOCK,
-                    PREC, PAGED, PAGE, 1, DIRECT)
+                    PREC, PAGED, PAGE, 1, DIRECT, PDL)
+        else:
+            pdl_wait(PDL)
     else:  # a group's first row holds its size, the others 0
         n_rows = tl.load(lead_ptr + s).to(tl.int32)
         if n_rows > 1:
             _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, kvh, split, splits, n_rows,
                     stride_qs, stride_qh, stride_table, stride_cblock, stride_cpos, stride_ch,
                     stride_os, stride_oh, stride_osp, stride_ls, stride_lh, GROUP, GROUP_B, HEAD_DIM, BLOCK,
-                    PREC, PAGED, PAGE, ROWS, False)
+                    PREC, PAGED, PAGE, ROWS, False, PDL)
+        else:
+            pdl_wait(PDL)
 
 
 @triton.jit(do_not_specialize=["splits", "splits1"])
@@ -176,8 +206,8 @@ def _stage2(o_ptr, lse_ptr, len_ptr, lead_ptr, out_ptr, splits, splits1, num_hea
             stride_ls, stride_lh, stride_outs, stride_outh, SPLITS_B: tl.constexpr, HEADS_B: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, GROUPED: tl.constexpr):
     """HEADS_B heads of row s per program: a program per (row, head) was thousands of tiny
-    programs (10 µs for 32 rows x 96 heads x 4 splits on an H200)."""
-    pdl_wait(PDL)
+    programs (10 µs for 32 rows x 96 heads x 4 splits on an H200). The lengths and ``lead``
+    come from the host: read before ``pdl_wait``."""
     s = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, SPLITS_B)
     if GROUPED:  # a row of a group: every split of the group's was written (empty ones as -inf)
@@ -188,6 +218,7 @@ def _stage2(o_ptr, lse_ptr, len_ptr, lead_ptr, out_ptr, splits, splits1, num_hea
     else:
         start, end = _split_range(tl.load(len_ptr + s).to(tl.int32), sp, splits, BLOCK)
         spm = (sp < splits) & (start < end)  # only the splits that had keys (at batch 1 and 512 keys: 8 of 33)
+    pdl_wait(PDL)
     d = tl.arange(0, HEAD_DIM)
     if HEADS_B == 1:  # one head, 1-D tiles (heads as a tile dimension cost +0.3 µs at batch 1, H200)
         h = tl.program_id(1)

@@ -9,7 +9,9 @@ kernel's blocks start as soon as every block of the kernel before has started, t
 The rule every kernel launched this way keeps: ``pdl_wait`` comes before its first read of
 anything the step writes and before any early return, so each kernel completes only after the
 one before it did, and the chain stays in order. Reads of weights (never written during a step)
-may come before it: the weight-only Linear requests its first tile there.
+may come before it: the weight-only Linear requests its first tile there. So may reads of what
+the host uploaded before the step's first kernel (a full dependency, not a programmatic one):
+decode attention reads its lengths and block table there.
 
 ``GLM_FUSED_PDL=0`` (or ``set_pdl(False)``) launches every kernel the ordinary way, for
 comparisons.
