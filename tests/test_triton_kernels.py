@@ -155,6 +155,42 @@ def test_fp8_kernels_compile_for_sm90():
                 assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_decode_attention_reads_host_inputs_before_the_pdl_wait():
+    """Decode attention as the GPU would build it: the lengths and the first tile's page ids
+    (uploaded by the host, never written by the kernel before) are read before
+    ``griddepcontrol.wait``, in both stages; and a tile over several pages loads one id per
+    page, not one per key (a load per key kept batch 2 at 512 keys 1.13x the contiguous kernel)."""
+    pytest.importorskip("triton")
+    from glm_fused.torch_backend.kernels import decode_attention as da
+
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32", "len_ptr": "*i32",
+           "lead_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32", "splits": "i32",
+           **{f"stride_{n}": "i32" for n in ("qs", "qh", "table", "cblock", "cpos", "ch", "os", "oh", "osp", "ls", "lh")}}
+    loads = {}
+    for page, rows in ((16, 1), (64, 1), (16, da.GROUP_ROWS)):
+        try:
+            kernel = _sm90_compile(da._stage1, sig, dict(
+                GROUP=12, GROUP_B=16, HEAD_DIM=128, BLOCK=da.BLOCK_N, PREC="tf32", PAGED=True, PAGE=page, PDL=True,
+                ROWS=rows, LONE=False, DIRECT=False))
+        except Exception as exc:  # no ptxas in this Triton build
+            pytest.skip(f"cannot compile for sm90 here: {type(exc).__name__}: {str(exc)[:200]}")
+        ptx = kernel.asm["ptx"]
+        _assert_pdl(ptx)
+        assert 0 <= ptx.find("ld.global") < ptx.find("griddepcontrol.wait"), (page, rows)
+        loads[page, rows] = ptx.count("ld.global")
+    assert loads[16, 1] <= loads[64, 1] + 8, loads  # four page ids, not 64
+    stage2 = _sm90_compile(da._stage2, {
+        "o_ptr": "*fp32", "lse_ptr": "*fp32", "len_ptr": "*i32", "lead_ptr": "*i32", "out_ptr": "*bf16",
+        "splits": "i32", "splits1": "i32", "num_heads": "i32", "stride_os": "i32", "stride_oh": "i32",
+        "stride_osp": "i32", "stride_ls": "i32", "stride_lh": "i32", "stride_outs": "i32", "stride_outh": "i32"},
+        dict(SPLITS_B=da.MAX_SPLITS, HEADS_B=1, HEAD_DIM=128, BLOCK=da.BLOCK_N, PDL=True, GROUPED=False))
+    ptx = stage2.asm["ptx"]
+    _assert_pdl(ptx)
+    assert 0 <= ptx.find("ld.global") < ptx.find("griddepcontrol.wait")
+
+
 def test_row_groups_and_when_a_step_replays_them():
     """Runs of one sequence's rows cut in groups of four (a row alone is a group of one), and
     the rule that picks the grouped graph: a chunk after >= GROUPED_MIN_CONTEXT cached

@@ -146,6 +146,21 @@ def check_decode_attention(device, dtype, lens=(1, 70, 200, 33), heads=12, kv_he
     return {"out": worst, "contiguous": worst_contiguous}
 
 
+def _few_splits(check, **kwargs):
+    """``check`` with the GPU-filling split count turned down to one split per program, so each
+    program walks several key tiles (the page ids loaded a tile ahead); at the usual count these
+    small checks give every split one tile."""
+    from glm_fused.torch_backend.kernels import decode_attention as da
+
+    def run(device, dtype):
+        saved, da.TARGET_PROGRAMS = da.TARGET_PROGRAMS, 1
+        try:
+            return check(device, dtype, **kwargs)
+        finally:
+            da.TARGET_PROGRAMS = saved
+    return run
+
+
 def check_grouped_decode_attention(device, dtype, runs=((40, 7), (69, 1), (0, 5), (149, 6)), heads=12, kv_heads=2,
                                    head_dim=32, page=16, seed=4):
     """Rows that are prompt chunks' tokens (a run of rows per sequence: (context, rows)), the
@@ -497,6 +512,10 @@ CHECKS = {"add_rmsnorm": check_add_rmsnorm, "silu_and_mul": check_silu_and_mul, 
           "decode_attention_one_split": lambda d, t: check_decode_attention(d, t, lens=tuple(range(1, 68)), heads=4,
                                                                              kv_heads=2, contiguous=False),
           "grouped_decode_attention": check_grouped_decode_attention,
+          # one split per program: each walks up to four tiles (page ids loaded a tile ahead)
+          "decode_attention_tiles_ahead": _few_splits(check_decode_attention),
+          "decode_attention_tiles_ahead_page64": _few_splits(check_decode_attention, page=64, contiguous=False),
+          "grouped_decode_attention_tiles_ahead": _few_splits(check_grouped_decode_attention),
           # a tile over 16 pages (its ids loaded as one vector), and one page holding a whole tile
           "grouped_decode_attention_page4": lambda d, t: check_grouped_decode_attention(d, t, page=4),
           "grouped_decode_attention_page64": lambda d, t: check_grouped_decode_attention(d, t, page=64),

@@ -93,12 +93,7 @@ def _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, k
         # small batches that wait cost 12-15%); the first tile's before pdl_wait
         if PAGE >= BLOCK:  # tiles start at multiples of BLOCK: one page holds the whole tile
             pages = tl.load(table + start // PAGE, mask=start < end, other=0)
-        elif R == 1:  # a tile spans pages: each key's page
-            n = start + tl.arange(0, BLOCK)
-            pages = tl.load(table + n // PAGE, mask=n < end, other=0)
-        else:  # grouped rows: the ids of the tile's BLOCK // PAGE pages, the tile loaded as
-            # [pages, PAGE, D] (32 rows after 2,048 keys: 0.81x the time of a page id per key,
-            # H200; with one row, 1.4x: rows alone keep the per-key form)
+        else:  # a tile spans BLOCK // PAGE whole pages: their ids, one load each
             pi = tl.arange(0, BLOCK // PAGE)
             first = start // PAGE + pi
             pages = tl.load(table + first, mask=first * PAGE < end, other=0)
@@ -114,24 +109,25 @@ def _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, k
             page = pages.to(tl.int64)
             if PAGE >= BLOCK:
                 pages = tl.load(table + (n0 + BLOCK) // PAGE, mask=n0 + BLOCK < end, other=0)
-            elif R == 1:
-                ahead = n + BLOCK
-                pages = tl.load(table + ahead // PAGE, mask=ahead < end, other=0)
             else:
                 ahead = (n0 + BLOCK) // PAGE + pi
                 pages = tl.load(table + ahead, mask=ahead * PAGE < end, other=0)
-            if PAGE >= BLOCK or R == 1:
-                rows = page * stride_cblock + (n % PAGE).to(tl.int64) * stride_cpos
-                offs = base + rows[:, None] + d[None, :]
-                k = tl.load(k_ptr + offs, mask=nm[:, None], other=0.0)
-                v = tl.load(v_ptr + offs, mask=nm[:, None], other=0.0)
-            else:
+            if PAGE < BLOCK and R > 1:  # the tile as [pages, PAGE, D]: 32 rows after 2,048 keys
+                # took 0.81x the time of the per-key form; one row took 1.2-1.4x (H200)
                 r = tl.arange(0, PAGE)
                 offs = (base + page[:, None, None] * stride_cblock + (r.to(tl.int64) * stride_cpos)[None, :, None]
                         + d[None, None, :])
                 m3 = ((n0 + pi[:, None] * PAGE + r[None, :]) < end)[:, :, None]
                 k = tl.reshape(tl.load(k_ptr + offs, mask=m3, other=0.0), (BLOCK, HEAD_DIM))
                 v = tl.reshape(tl.load(v_ptr + offs, mask=m3, other=0.0), (BLOCK, HEAD_DIM))
+            else:
+                if PAGE < BLOCK:  # each key's page id, spread from the few loaded by warp shuffles
+                    # (a load per key instead: batch 2 at 512 keys 1.13x the contiguous kernel, not 1.02x)
+                    page = tl.gather(page, tl.arange(0, BLOCK) // PAGE, 0)
+                rows = page * stride_cblock + (n % PAGE).to(tl.int64) * stride_cpos
+                offs = base + rows[:, None] + d[None, :]
+                k = tl.load(k_ptr + offs, mask=nm[:, None], other=0.0)
+                v = tl.load(v_ptr + offs, mask=nm[:, None], other=0.0)
         else:
             offs = base + (n.to(tl.int64) * stride_cpos)[:, None] + d[None, :]
             k = tl.load(k_ptr + offs, mask=nm[:, None], other=0.0)
