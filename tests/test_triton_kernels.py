@@ -169,7 +169,7 @@ def test_decode_attention_reads_host_inputs_before_the_pdl_wait():
            "lead_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32", "splits": "i32",
            **{f"stride_{n}": "i32" for n in ("qs", "qh", "table", "cblock", "cpos", "ch", "os", "oh", "osp", "ls", "lh")}}
     loads = {}
-    for page, rows in ((16, 1), (64, 1), (16, da.GROUP_ROWS)):
+    for page, rows in ((16, 1), (64, 1), (1, 1), (16, da.GROUP_ROWS), (1, da.GROUP_ROWS)):  # (1: the smallest block)
         try:
             kernel = _sm90_compile(da._stage1, sig, dict(
                 GROUP=12, GROUP_B=16, HEAD_DIM=128, BLOCK=da.BLOCK_N, PREC="tf32", PAGED=True, PAGE=page, PDL=True,
@@ -180,7 +180,7 @@ def test_decode_attention_reads_host_inputs_before_the_pdl_wait():
         _assert_pdl(ptx)
         assert 0 <= ptx.find("ld.global") < ptx.find("griddepcontrol.wait"), (page, rows)
         loads[page, rows] = ptx.count("ld.global")
-    assert loads[16, 1] <= loads[64, 1] + 8, loads  # four page ids, not 64
+    assert max(loads[16, 1], loads[1, 1]) <= loads[64, 1] + 8, loads  # 4 or 64 page ids, not one load per key
     stage2 = _sm90_compile(da._stage2, {
         "o_ptr": "*fp32", "lse_ptr": "*fp32", "len_ptr": "*i32", "lead_ptr": "*i32", "out_ptr": "*bf16",
         "splits": "i32", "splits1": "i32", "num_heads": "i32", "stride_os": "i32", "stride_oh": "i32",
