@@ -167,7 +167,8 @@ def test_decode_attention_reads_host_inputs_before_the_pdl_wait():
 
     sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32", "len_ptr": "*i32",
            "lead_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32", "splits": "i32",
-           **{f"stride_{n}": "i32" for n in ("qs", "qh", "table", "cblock", "cpos", "ch", "os", "oh", "osp", "ls", "lh")}}
+           **{f"stride_{n}": "i32" for n in ("qs", "qh", "table", "cblock", "cpos", "ch", "os", "oh", "osp", "ls",
+                                              "lh")}}
     loads = {}
     for page, rows in ((16, 1), (64, 1), (1, 1), (16, da.GROUP_ROWS), (1, da.GROUP_ROWS)):  # (1: the smallest block)
         try:
