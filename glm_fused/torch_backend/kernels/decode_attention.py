@@ -84,19 +84,18 @@ def _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, k
         q_row, o_row, lse_row = row[:, None] * stride_qs, row[:, None] * stride_os, row * stride_ls
     heads = kvh * GROUP + g
     d = tl.arange(0, HEAD_DIM)
-    if PAGED:
-        base = kvh * stride_ch
-        table = table_ptr + s * stride_table
-    else:  # contiguous: the table holds one slot per sequence
-        base = tl.load(table_ptr + s).to(tl.int64) * stride_cblock + kvh * stride_ch
     if PAGED:  # page ids loaded one tile ahead, so the key loads never wait on the table (at
         # small batches that wait cost 12-15%); the first tile's before pdl_wait
+        base = kvh * stride_ch
+        table = table_ptr + s * stride_table
         if PAGE >= BLOCK:  # tiles start at multiples of BLOCK: one page holds the whole tile
             pages = tl.load(table + start // PAGE, mask=start < end, other=0)
         else:  # a tile spans BLOCK // PAGE whole pages: their ids, one load each
             pi = tl.arange(0, BLOCK // PAGE)
             first = start // PAGE + pi
             pages = tl.load(table + first, mask=first * PAGE < end, other=0)
+    else:  # contiguous: the table holds one slot per sequence
+        base = tl.load(table_ptr + s).to(tl.int64) * stride_cblock + kvh * stride_ch
     pdl_wait(PDL)
     q = tl.load(q_ptr + q_row + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
     m = tl.full([R * GROUP_B], float("-inf"), tl.float32)
@@ -112,24 +111,23 @@ def _attend(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, lse_ptr, scale, s, k
             else:
                 ahead = (n0 + BLOCK) // PAGE + pi
                 pages = tl.load(table + ahead, mask=ahead * PAGE < end, other=0)
-            if PAGE < BLOCK and R > 1:  # the tile as [pages, PAGE, D]: 32 rows after 2,048 keys
-                # took 0.81x the time of the per-key form; rows alone, up to 1.4x (H200)
-                r = tl.arange(0, PAGE)
-                offs = (base + page[:, None, None] * stride_cblock + (r.to(tl.int64) * stride_cpos)[None, :, None]
-                        + d[None, None, :])
-                m3 = ((n0 + pi[:, None] * PAGE + r[None, :]) < end)[:, :, None]
-                k = tl.reshape(tl.load(k_ptr + offs, mask=m3, other=0.0), (BLOCK, HEAD_DIM))
-                v = tl.reshape(tl.load(v_ptr + offs, mask=m3, other=0.0), (BLOCK, HEAD_DIM))
+        if PAGED and PAGE < BLOCK and R > 1:  # the tile as [pages, PAGE, D]: 32 rows after 2,048
+            # keys took 0.81x the time of the per-key form; rows alone, up to 1.4x (H200)
+            r = tl.arange(0, PAGE)
+            offs = (base + page[:, None, None] * stride_cblock + (r.to(tl.int64) * stride_cpos)[None, :, None]
+                    + d[None, None, :])
+            m3 = ((n0 + pi[:, None] * PAGE + r[None, :]) < end)[:, :, None]
+            k = tl.reshape(tl.load(k_ptr + offs, mask=m3, other=0.0), (BLOCK, HEAD_DIM))
+            v = tl.reshape(tl.load(v_ptr + offs, mask=m3, other=0.0), (BLOCK, HEAD_DIM))
+        else:
+            if not PAGED:
+                rows = n.to(tl.int64) * stride_cpos
             else:
                 if PAGE < BLOCK:  # each key's page id, spread from the few loaded by warp shuffles
                     # (a load per key instead: batch 2 at 512 keys 1.13x the contiguous kernel, not 1.02x)
                     page = tl.gather(page, tl.arange(0, BLOCK) // PAGE, 0)
                 rows = page * stride_cblock + (n % PAGE).to(tl.int64) * stride_cpos
-                offs = base + rows[:, None] + d[None, :]
-                k = tl.load(k_ptr + offs, mask=nm[:, None], other=0.0)
-                v = tl.load(v_ptr + offs, mask=nm[:, None], other=0.0)
-        else:
-            offs = base + (n.to(tl.int64) * stride_cpos)[:, None] + d[None, :]
+            offs = base + rows[:, None] + d[None, :]
             k = tl.load(k_ptr + offs, mask=nm[:, None], other=0.0)
             v = tl.load(v_ptr + offs, mask=nm[:, None], other=0.0)
         sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
