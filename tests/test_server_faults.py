@@ -388,6 +388,27 @@ def test_preprocessor_refuses_malformed_requests(preprocessor):
     assert prep.prompt_ids[:2] == preprocessor.tokenizer.encode("[gMASK]<sop>")
 
 
+def test_bodies_parse_as_json_loads_reads_them():
+    """parse_json's fast parser gives what the standard library gives, and its refusals end
+    in the standard library's message (where the body is wrong)."""
+    from glm_fused.server.errors import ApiError
+    from glm_fused.server.preprocess import parse_json
+
+    valid = [b'{"a": 1, "a": 2}', b'{"x": 18446744073709551616, "y": -9223372036854775809}',
+             b'{"x": 123456789012345678901234567890.5, "y": 1e400, "z": 1e-400, "w": -0.0, "v": 5e-324}',
+             b'{"x": [0.1, 1E2, 1.7976931348623157e308, true, null, false]}', b' {"\xc3\xa9": "\xe2\x82\xac"}\n',
+             b'{"x": "\\ud83d\\ude00 a\\u0000b", "y": {"z": [[[]]]}}',
+             json.dumps({"prompt": list(range(151000, 153080)), "max_tokens": 1}).encode()]
+    for body in valid:
+        got = parse_json(body)
+        assert repr(got) == repr(json.loads(body.decode())), body
+    for body, says in ((b'{"x": 1', "line 1, column 8"), (b'{"x": [1, 2,]}', "line 1, column 13"),
+                       (b'{"x": NaN}', "NaN"), (b'{"x": \xff}', "offset 6"), (b'{"x": "\\ud800"}', "surrogate")):
+        with pytest.raises(ApiError) as info:
+            parse_json(body)
+        assert info.value.status == 400 and says in info.value.message, (body, info.value.message)
+
+
 def test_text_far_beyond_the_context_is_refused_before_tokenizing(preprocessor, monkeypatch):
     from glm_fused.server.errors import ApiError
 

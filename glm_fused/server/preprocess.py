@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pydantic_core
 from pydantic import BaseModel, ValidationError
 
 from glm_fused.engine.llm_engine import check_prompt
@@ -355,7 +356,30 @@ def longest_token_chars(tokenizer) -> int:
 
 
 def parse_json(body: bytes) -> dict:
-    """The request body as a JSON object, or a 400 saying what is wrong with it."""
+    """The request body as a JSON object, or a 400 saying what is wrong with it.
+
+    pydantic's Rust parser first: a third of ``json.loads``' time (0.16 against 0.35 ms for
+    2,080 token ids on two CPU cores), with the same result wherever it succeeds (big
+    integers, duplicate keys and float rounding included). It refuses what ``json.loads``
+    also refuses and lone surrogates, which the checks below refuse: any body it refuses is
+    parsed again by ``json.loads``, whose error says where the body is wrong."""
+    try:
+        data = pydantic_core.from_json(body, allow_inf_nan=False)
+    except (ValueError, RecursionError):
+        data = _parse_slowly(body)
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    if _SURROGATE_ESCAPE.search(body):
+        path = lone_surrogate_path(data)
+        if path is not None:
+            param = ".".join(map(str, path))
+            raise ApiError(400, f"{param} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                                "which is not text", param=param)
+    return data
+
+
+def _parse_slowly(body: bytes) -> Any:
+    """``json.loads``, its errors as a 400 naming the fault."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -369,14 +393,6 @@ def parse_json(body: bytes) -> dict:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}")
-    if _SURROGATE_ESCAPE.search(body):
-        path = lone_surrogate_path(data)
-        if path is not None:
-            param = ".".join(map(str, path))
-            raise ApiError(400, f"{param} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
-                                "which is not text", param=param)
     return data
 
 
