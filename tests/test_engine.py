@@ -127,6 +127,19 @@ def keys(seed: int, n: int) -> list[int]:
     return [row_key(seed, i) for i in range(n)]
 
 
+def test_row_key_is_splitmix64_of_seed_and_step():
+    """The per-row key in Python ints equals SplitMix64 on uint64 (the uniforms' own form)."""
+    from glm_fused.engine.sampling import GOLDEN, splitmix64
+
+    rng = np.random.default_rng(5)
+    pairs = [(0, 0), (2**63 - 1, 0), (2**63 - 1, 2**40), (1, 1)] + \
+        [(int(rng.integers(0, 2**63)), int(rng.integers(0, 2**32))) for _ in range(2000)]
+    for seed, step in pairs:
+        with np.errstate(over="ignore"):
+            want = int(splitmix64(np.uint64(seed) + np.uint64(GOLDEN) * np.uint64(step + 1)).astype(np.int64))
+        assert row_key(seed, step) == want, (seed, step)
+
+
 def test_greedy_is_argmax_and_top_k_1():
     logits = np.random.default_rng(0).standard_normal(100).astype(np.float32)
     assert sample(logits, greedy(), row_key(1, 0)) == int(np.argmax(logits))

@@ -134,6 +134,7 @@ class SamplingParams:
 # arithmetic; the device version (TorchOps.sample) does the same on int64 tensors.
 GOLDEN = 0x9E3779B97F4A7C15
 MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_U64 = (1 << 64) - 1
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
@@ -146,10 +147,14 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def row_key(seed: int, step: int) -> int:
-    """One sequence's key for its ``step``-th output token, as a signed int64 (tensor-friendly)."""
-    with np.errstate(over="ignore"):
-        key = splitmix64(np.uint64(seed) + np.uint64(GOLDEN) * np.uint64(step + 1))
-    return int(key.astype(np.int64))
+    """One sequence's key for its ``step``-th output token, as a signed int64 (tensor-friendly):
+    ``splitmix64(seed + golden * (step + 1))``, here in Python ints masked to 64 bits, which
+    takes 1 us where numpy scalars take 30 (a call per sampled row per step)."""
+    x = (seed + GOLDEN * (step + 1)) & _U64
+    x = ((x ^ (x >> 30)) * MIX1) & _U64
+    x = ((x ^ (x >> 27)) * MIX2) & _U64
+    x ^= x >> 31
+    return x - (1 << 64) if x >> 63 else x
 
 
 def derive_seed(seed: int, index: int) -> int:
