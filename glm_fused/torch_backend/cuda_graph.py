@@ -50,10 +50,11 @@ from glm_fused.torch_backend.kernels.decode_attention import row_groups
 PROMPT_KEY_READS = 64 * 2048  # a step with prompt chunks replays a graph up to this many key reads (docstring)
 # A step with prompt chunks replays the grouped graph (``grouped``) when a chunk follows at
 # least GROUPED_MIN_CONTEXT cached positions and the chunks' rows read at least twice the keys
-# its decodes read. Measured per layer on an H200 (docs/speed.md): 32 rows after 2,048 cached
-# tokens 0.56x the ungrouped time, after 512 0.98x, after 256 1.27x; 32 decodes beside a chunk
-# of 32 after 1,024 1.42x (the decodes' launch and the groups' run one after the other).
-GROUPED_MIN_CONTEXT = 512
+# its decodes read. Measured per layer on an H200 (docs/speed.md, 2026-12-04, the kernel as
+# now): 32 rows after 256 cached tokens 1.09x the ungrouped time, after 384 0.88x, after 512
+# 0.78x, after 1,024 0.53x (64 rows: 1.12x, 0.91x, 0.79x); 32 decodes beside a chunk of 32
+# after 1,024 1.42x (the decodes' launch and the groups' run one after the other).
+GROUPED_MIN_CONTEXT = 384
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
