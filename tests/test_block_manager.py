@@ -1,5 +1,5 @@
 """The paged KV cache's bookkeeping (glm_fused.engine.block_manager) and the scheduler's
-preemption, unit by unit: hash chaining, reference counts, copy-free sharing, LRU eviction."""
+preemption, unit by unit: block keys, reference counts, copy-free sharing, LRU eviction."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from glm_fused.engine import SamplingParams, Scheduler, Sequence
-from glm_fused.engine.block_manager import BlockManager, block_hash
+from glm_fused.engine.block_manager import BlockManager
 from glm_fused.engine.sequence import Status
 from glm_fused.engine_args import EngineArgs
 
@@ -29,23 +29,44 @@ def computed(bm: BlockManager, s: Sequence, n: int | None = None) -> Sequence:
     return s
 
 
-def test_hash_chains_every_block_before_it():
+def test_a_block_is_keyed_by_every_token_up_to_its_end():
     bm = BlockManager(8, BS)
     a = seq(range(12))
     h = bm.hashes(a, 3)
-    # Block i's key is sha256 of block i-1's key and block i's tokens (int64 bytes).
-    expect = hashlib.sha256(np.arange(4, dtype=np.int64).tobytes()).digest()
-    assert h[0] == expect == block_hash(b"", [0, 1, 2, 3])
-    assert h[1] == hashlib.sha256(h[0] + np.arange(4, 8, dtype=np.int64).tobytes()).digest()
+    # Block i's key is sha256 of the int64 bytes of every token of blocks 0..i.
+    for i in range(3):
+        assert h[i] == hashlib.sha256(np.arange(4 * (i + 1), dtype=np.int64).tobytes()).digest()
     # Same block tokens after a different prefix: another key.
     b = seq([9, 9, 9, 9, 4, 5, 6, 7])
     assert bm.hashes(b, 2)[1] != h[1] and bm.hashes(b, 2)[0] != h[0]
     # Same prefix: same keys, whatever follows.
     assert bm.hashes(seq(list(range(8)) + [100]), 2) == h[:2]
-    # Output tokens count as the sequence's tokens too.
+    # Output tokens count as the sequence's tokens too, hashed as they fill blocks.
     c = seq(range(6))
+    assert bm.hashes(c, 1) == h[:1]
     c.output_token_ids += [6, 7]
     assert bm.hashes(c, 2) == h[:2]
+    c.output_token_ids += [8, 9, 10, 11]
+    assert bm.hashes(c, 3) == h
+
+
+def test_the_lookup_stops_hashing_at_the_first_miss():
+    """A long uncached prompt is not hashed whole when it is admitted: its blocks are hashed
+    as they are computed (commit), the keys the same either way."""
+    from glm_fused.engine.block_manager import LOOKUP_BATCH
+
+    bm = BlockManager(256, BS)
+    computed(bm, seq(range(8), "a"))                 # two full blocks cached
+    tokens = list(range(8)) + list(range(100, 500))  # 102 blocks
+    b = seq(tokens, "b")
+    hits = bm.cached_prefix(b)
+    assert len(hits) == 2 and len(b.block_hashes) <= 2 + LOOKUP_BATCH < 102
+    assert bm.allocate(b, b.num_tokens, cached=hits)
+    b.num_computed = b.num_tokens
+    bm.commit(b)
+    assert len(b.block_hashes) == 102 and b.block_hashes == bm.hashes(seq(tokens, "c"), 102)
+    again = seq(tokens + [5], "d")
+    assert bm.cached_prefix(again) == b.block_table  # a lookup of several batches
 
 
 def test_full_blocks_are_shared_copy_free_with_reference_counts():

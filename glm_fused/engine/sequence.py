@@ -28,8 +28,9 @@ class Sequence:
         if len(prompt_token_ids) == 0:
             raise ValueError("empty prompt")
         self.request_id = request_id
-        try:  # plain ints, in a third of the time of int() per id
-            self.prompt_token_ids = np.asarray(prompt_token_ids, dtype=np.int64).tolist()
+        try:  # plain ints, in a third of the time of int() per id; the array gives token_bytes
+            self._prompt_array = np.asarray(prompt_token_ids, dtype=np.int64)
+            self.prompt_token_ids = self._prompt_array.tolist()
         except OverflowError:
             raise ValueError("a prompt token id does not fit in 64 bits") from None
         self.params = params
@@ -39,10 +40,11 @@ class Sequence:
         self.num_computed = 0     # tokens whose keys/values are in the cache
         self.num_inflight = 0     # tokens sampled on the device whose value the host has not seen yet
         # KV-cache bookkeeping (glm_fused.engine.block_manager): the blocks held, in position
-        # order; the chained hashes of full blocks (computed once: tokens never change); how
-        # many leading blocks are in the prefix cache.
+        # order; the keys of full blocks (computed once: tokens never change) and the running
+        # hash they are copied from; how many leading blocks are in the prefix cache.
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
+        self.block_hasher = None
         self.num_cached_blocks = 0
         self.num_preemptions = 0
         # This sequence's row in the runner's per-sequence device state (the token it sampled
@@ -134,6 +136,12 @@ class Sequence:
         else:
             known = self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
         return known + [-1] * (min(end, n + self.num_inflight) - max(start, n))
+
+    def token_bytes(self, start: int, end: int) -> bytes:
+        """Tokens ``start:end`` as int64 bytes (the prefix cache's keys hash them); all known."""
+        if end <= self.prompt_len:
+            return self._prompt_array[start:end].tobytes()
+        return np.asarray(self.token_ids(start, end), dtype=np.int64).tobytes()
 
     # ---- generation ----------------------------------------------------------------------
     def append_token(self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int,
