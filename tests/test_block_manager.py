@@ -48,6 +48,11 @@ def test_a_block_is_keyed_by_every_token_up_to_its_end():
     assert bm.hashes(c, 2) == h[:2]
     c.output_token_ids += [8, 9, 10, 11]
     assert bm.hashes(c, 3) == h
+    # The prompt is the sequence's own: a caller's array changed afterwards changes no key.
+    ids = np.arange(12, dtype=np.int64)
+    d = Sequence("d", ids, SamplingParams(max_tokens=8))
+    ids[:] = 0
+    assert bm.hashes(d, 3) == h
 
 
 def test_the_lookup_stops_hashing_at_the_first_miss():

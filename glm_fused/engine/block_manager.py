@@ -13,9 +13,10 @@ and the keys and values in those blocks are the same (causal attention: a positi
 only on the tokens up to it), so a new sequence starts from the blocks it finds under its
 own hashes and computes only the rest. The lookup hashes a new sequence's blocks a few at a
 time and stops at the first miss: a long uncached prompt is hashed as its chunks are computed,
-not all at once when it is admitted (131,072 tokens: 8,192 blocks, tens of ms). Shared blocks are shared copy-free: each holder adds
-one to the block's reference count. A full block stays cached after its last holder lets
-go; it is evicted (its hash forgotten) only when the block is needed for something else.
+not all at once when it is admitted (131,072 tokens: 8,192 blocks, tens of ms). Shared
+blocks are shared copy-free: each holder adds one to the block's reference count. A full
+block stays cached after its last holder lets go; it is evicted (its hash forgotten) only
+when the block is needed for something else.
 
 Free blocks wait in one queue, least recently used first: new blocks come from its head.
 A sequence's blocks are queued in reverse order when it lets go of them, so a later block

@@ -28,8 +28,9 @@ class Sequence:
         if len(prompt_token_ids) == 0:
             raise ValueError("empty prompt")
         self.request_id = request_id
-        try:  # plain ints, in a third of the time of int() per id; the array gives token_bytes
-            self._prompt_array = np.asarray(prompt_token_ids, dtype=np.int64)
+        try:  # plain ints, in a third of the time of int() per id; the array (a copy: the
+            # caller's may change) gives token_bytes
+            self._prompt_array = np.array(prompt_token_ids, dtype=np.int64)
             self.prompt_token_ids = self._prompt_array.tolist()
         except OverflowError:
             raise ValueError("a prompt token id does not fit in 64 bits") from None
