@@ -7,8 +7,8 @@ finishes, is aborted or is preempted.
 
 Prefix caching (on by default). A block whose positions are all computed is keyed by a hash
 of its tokens and of everything before it: ``h_i = sha256(tokens of blocks 0..i)`` (int64
-bytes; one running sha256 per sequence, copied at each block's end, so each token is hashed
-once). Two sequences whose first i blocks hold the same tokens therefore have the same ``h_i``,
+bytes; one running sha256 per sequence, digested at each block's end, so each token is
+hashed once). Two sequences whose first i blocks hold the same tokens therefore have the same ``h_i``,
 and the keys and values in those blocks are the same (causal attention: a position depends
 only on the tokens up to it), so a new sequence starts from the blocks it finds under its
 own hashes and computes only the rest. The lookup hashes a new sequence's blocks a few at a
@@ -89,11 +89,11 @@ class BlockManager:
         if first < num_blocks:  # the new blocks' tokens as bytes at once, not a list and an array per block
             if first == 0:
                 seq.block_hasher = hashlib.sha256()  # has seen the tokens of the blocks hashed so far
-            hasher, width = seq.block_hasher, 8 * size
+            update, digest, width = seq.block_hasher.update, seq.block_hasher.digest, 8 * size
             data = memoryview(seq.token_bytes(first * size, num_blocks * size))
             for at in range(0, len(data), width):
-                hasher.update(data[at:at + width])
-                hashes.append(hasher.copy().digest())
+                update(data[at:at + width])
+                hashes.append(digest())  # digest() leaves the running hash as it was: no copy
         return hashes if len(hashes) == num_blocks else hashes[:num_blocks]
 
     def cached_prefix(self, seq) -> list[int]:
