@@ -533,6 +533,31 @@ def test_length_limits_and_context_limit():
     assert info.value.param == "prompt" and str(VOCAB) in str(info.value)
 
 
+def test_a_prompt_is_one_array_on_its_way_to_the_first_token():
+    """The checks turn a prompt into one int64 array, which the engine takes as is (the
+    server's preprocessing hands it over); the sequence keeps a copy, reads slices of it, and
+    makes the prompt a list of ints only when asked. An id past 64 bits is named, with or
+    without a vocabulary."""
+    from glm_fused.engine.llm_engine import check_prompt
+
+    prompt = np.array(PROMPTS[5], dtype=np.int64)
+    assert check_prompt(prompt, greedy(), max_model_len=64, vocab_size=VOCAB) is prompt
+    assert check_prompt(PROMPTS[5], greedy(), max_model_len=64, vocab_size=None).tolist() == PROMPTS[5]
+    for vocab in (VOCAB, None):
+        with pytest.raises(InvalidParam) as info:
+            check_prompt([1, 2**64], greedy(), max_model_len=64, vocab_size=vocab, param="prompt.1")
+        assert info.value.param == "prompt.1"
+    engine, runner = make_engine(max_num_seqs=2, budget=8)
+    seq = engine.add_request("a", prompt, greedy())
+    prompt[:] = 0  # the caller's array, changed afterwards
+    while engine.has_unfinished():
+        engine.step()
+    assert "prompt_token_ids" not in vars(seq)  # no list was made on the way
+    assert seq.output_token_ids == run_alone(PROMPTS[5], greedy())
+    assert seq.prompt_token_ids == PROMPTS[5] and all(type(t) is int for t in seq.prompt_token_ids)
+    assert [int(t) for b in runner.batches for t in b.input_ids][:len(PROMPTS[5])] == PROMPTS[5]
+
+
 def test_eos_finishes_and_frees_the_blocks():
     engine, _ = make_engine(max_num_seqs=1)
     first = engine.generate([[5, 6]], greedy(1))[0].output_token_ids[0]

@@ -112,5 +112,5 @@ def test_tool_choice_auto_needs_the_flags():
     none = json.loads(body)
     none["tool_choice"] = "none"  # the tools are rendered, the answer is not parsed for calls
     prep = plain.prepare("chat", json.dumps(none).encode())
-    assert prep.tools is None and "get_weather" not in tok.decode(prep.prompt_ids)
-    assert '"name": "f"' in tok.decode(prep.prompt_ids)
+    assert prep.tools is None and "get_weather" not in tok.decode(prep.prompt_ids.tolist())
+    assert '"name": "f"' in tok.decode(prep.prompt_ids.tolist())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 
 import numpy as np
@@ -19,7 +20,7 @@ class Status(enum.Enum):
 class Sequence:
     """A request: its prompt, generated tokens, KV-cache blocks, and how much of it is cached."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def __init__(self, request_id: str, prompt_token_ids, params: SamplingParams,
                  detokenizer=None, arrival_time: float | None = None, max_len: int = 1 << 62,
                  sampling_seed: int | None = None, grammar=None, stop_ids: frozenset[int] = frozenset()):
         """``sampling_seed``: the seed of the draws (default: the request's own, else fresh);
@@ -28,12 +29,13 @@ class Sequence:
         if len(prompt_token_ids) == 0:
             raise ValueError("empty prompt")
         self.request_id = request_id
-        try:  # plain ints, in a third of the time of int() per id; the array (a copy: the
-            # caller's may change) gives token_bytes
+        try:  # a copy: the caller's list or array may change
             self._prompt_array = np.array(prompt_token_ids, dtype=np.int64)
-            self.prompt_token_ids = self._prompt_array.tolist()
         except OverflowError:
             raise ValueError("a prompt token id does not fit in 64 bits") from None
+        # A step reads slices of the array; the whole prompt as a list of ints only when asked
+        # (``prompt_token_ids``: 0.05 ms for 2,080 ids, on the way of a request to its first token).
+        self.prompt_len = len(self._prompt_array)
         self.params = params
         self.max_len = max_len  # the context limit: prompt + output
         self.output_token_ids: list[int] = []
@@ -42,7 +44,7 @@ class Sequence:
         self.num_inflight = 0     # tokens sampled on the device whose value the host has not seen yet
         # KV-cache bookkeeping (glm_fused.engine.block_manager): the blocks held, in position
         # order; the keys of full blocks (computed once: tokens never change) and the running
-        # hash they are copied from; how many leading blocks are in the prefix cache.
+        # hash they are digested from; how many leading blocks are in the prefix cache.
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.block_hasher = None
@@ -74,9 +76,10 @@ class Sequence:
         self._cut = False  # text was cut at a stop string: it is final
 
     # ---- sizes ---------------------------------------------------------------------------
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
+    @functools.cached_property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt as plain ints (made once, when first read)."""
+        return self._prompt_array.tolist()
 
     @property
     def reusable_tokens(self) -> int:
@@ -89,7 +92,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.prompt_len + len(self.output_token_ids)
 
     @property
     def num_pending(self) -> int:
@@ -131,11 +134,11 @@ class Sequence:
         a token still in flight (the runner reads it from the device)."""
         p, n = self.prompt_len, self.num_tokens
         if end <= p:
-            known = self.prompt_token_ids[start:end]
+            known = self._prompt_array[start:end].tolist()
         elif start >= p:
             known = self.output_token_ids[start - p:end - p]
         else:
-            known = self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+            known = self._prompt_array[start:].tolist() + self.output_token_ids[:end - p]
         return known + [-1] * (min(end, n + self.num_inflight) - max(start, n))
 
     def token_bytes(self, start: int, end: int) -> bytes:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from glm_fused.server import protocol as P
 from glm_fused.server.chat import ChatOutputParser
 
@@ -119,7 +121,7 @@ class Choice:
         return self.prep.prompt_texts[self.prompt_index] if self.prep.echo else ""
 
     def prompt_logprob_pairs(self) -> list[tuple[int, Any]]:
-        prompt = self.prep.prompts[self.prompt_index]
+        prompt = np.asarray(self.prep.prompts[self.prompt_index]).tolist()
         entries = self.seq.prompt_logprobs if self.seq is not None else []
         return list(zip(prompt, entries + [None] * (len(prompt) - len(entries))))
 

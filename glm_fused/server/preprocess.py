@@ -47,8 +47,8 @@ _TEXT_PROMPT = re.compile(rb'"prompt"\s*:\s*"')
 class Prepared:
     """A validated, tokenized request: what the HTTP side submits and how it answers.
 
-    ``prompts``: token ids of each prompt (completions may send several); each runs ``n``
-    times. ``prompt_texts``: the prompts as text, for ``echo``. Chat: ``tools`` are the
+    ``prompts``: token ids of each prompt (completions may send several), as the int64
+    arrays the engine takes; each runs ``n`` times. ``prompt_texts``: the prompts as text, for ``echo``. Chat: ``tools`` are the
     request's tools when tool calls are parsed from the answer (None: not parsed),
     ``tool_mode`` the resolved tool_choice (none, auto, required, named),
     ``reasoning`` whether the glm45 reasoning parser splits it, ``prompt_tail`` the end of
@@ -57,7 +57,7 @@ class Prepared:
     """
 
     kind: str
-    prompts: list[list[int]]
+    prompts: list[np.ndarray]  # int64
     params: SamplingParams
     n: int = 1
     stream: bool = False
@@ -73,7 +73,7 @@ class Prepared:
     result: dict | None = None
 
     @property
-    def prompt_ids(self) -> list[int]:
+    def prompt_ids(self) -> np.ndarray:
         """The one prompt's ids (chat, and single-prompt completions)."""
         return self.prompts[0]
 
@@ -94,7 +94,7 @@ class Prepared:
         flat = np.frombuffer(ids, dtype=np.int64)
         prompts, at = [], 0
         for n in fields.pop("prompt_lens"):
-            prompts.append(flat[at:at + n].tolist())
+            prompts.append(flat[at:at + n])
             at += n
         return cls(prompts=prompts, **fields)
 
@@ -150,7 +150,8 @@ class RequestPreprocessor:
         req.check(self.options["max_logprobs"])
         prompts = req.prompts()
         logprobs = req.logprobs
-        req.sampling_params(1)  # parameters in range before any costly work
+        if any(isinstance(prompt, str) for prompt in prompts):
+            req.sampling_params(1)  # parameters in range before tokenizing
         single = len(prompts) == 1
         ids_list, texts = [], []
         for i, prompt in enumerate(prompts):
@@ -163,14 +164,15 @@ class RequestPreprocessor:
                 ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             else:
                 ids = prompt
-            ids_list.append(list(ids))
+            ids_list.append(ids)
             texts.append(prompt if isinstance(prompt, str) else
                          self.tokenizer.decode(prompt, skip_special_tokens=False) if req.echo and self.tokenizer
                          else "")
         params = req.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS, logprobs=logprobs,
                                      prompt_logprobs=logprobs if req.echo else None)
-        for i, ids in enumerate(ids_list):
-            self._check_fits(ids, params, "prompt" if single else f"prompt.{i}", req.max_tokens is not None)
+        for i, ids in enumerate(ids_list):  # each prompt's ids become one int64 array here
+            ids_list[i] = self._check_fits(ids, params, "prompt" if single else f"prompt.{i}",
+                                           req.max_tokens is not None)
         if req.max_tokens is None:
             params.max_tokens = max(1, min(params.max_tokens, self.max_model_len - max(map(len, ids_list))))
             params.min_tokens = min(params.min_tokens, params.max_tokens)
@@ -212,7 +214,7 @@ class RequestPreprocessor:
         self._check_text_fits(len(text), "messages")
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         params = req.sampling_params(max(1, self.max_model_len - len(ids)), logprobs=req.num_logprobs)
-        self._check_fits(ids, params, "messages", req.max_tokens is not None)
+        ids = self._check_fits(ids, params, "messages", req.max_tokens is not None)
         params.min_tokens = min(params.min_tokens, params.max_tokens)
         self._check_bias(params)
         tail = text.rsplit(ASSISTANT, 1)[-1] if ASSISTANT in text else text[-64:]
@@ -335,9 +337,10 @@ class RequestPreprocessor:
             raise ApiError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                            param="logit_bias")
 
-    def _check_fits(self, ids: list[int], params: SamplingParams, param: str, max_tokens_given: bool) -> None:
+    def _check_fits(self, ids: list[int], params: SamplingParams, param: str, max_tokens_given: bool) -> np.ndarray:
+        """The ids as the int64 array the engine takes, or a 400."""
         try:
-            check_prompt(ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size, param=param,
+            return check_prompt(ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size, param=param,
                          max_tokens_given=max_tokens_given)
         except InvalidParam as exc:
             raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
