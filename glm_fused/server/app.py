@@ -32,7 +32,7 @@ from typing import AsyncIterator, Callable
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from glm_fused.engine import InvalidParam, LLMEngine, RequestOutput, SamplingParams
@@ -186,6 +186,10 @@ def run_engine_loop(engine: LLMEngine, bridge: EngineBridge, metrics: ServerMetr
         raise
 
 
+def _response(answer: Response | dict) -> Response:
+    return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+
 def _observe(metrics: ServerMetrics, outs: list[RequestOutput]) -> None:
     for out in outs:
         seq = out.seq
@@ -283,13 +287,17 @@ def create_app(bridge: EngineBridge, metrics: ServerMetrics, *, model_name: str,
         return prep.result
 
     # ---- generation --------------------------------------------------------------------------
-    @app.post("/v1/completions")  # key checked in generate (FastAPI dependencies: ~0.1 ms a request)
-    async def completions(raw: Request):
-        return await generate(raw, "completion")
+    # Plain Starlette routes: ``generate`` checks the key and reads the body itself, and a
+    # FastAPI route's dependency solving and response encoding cost 0.11 ms of every request
+    # (0.17 against 0.06 ms from the app's entry to a reply, two CPU cores).
+    async def completions(raw: Request) -> Response:
+        return _response(await generate(raw, "completion"))
 
-    @app.post("/v1/chat/completions")  # likewise
-    async def chat_completions(raw: Request):
-        return await generate(raw, "chat")
+    async def chat_completions(raw: Request) -> Response:
+        return _response(await generate(raw, "chat"))
+
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
 
     async def generate(raw: Request, kind: str):
         await require_api_key(raw)
