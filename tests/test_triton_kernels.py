@@ -205,6 +205,19 @@ def test_row_groups_and_when_a_step_replays_them():
     assert row_groups(np.array([7, 3, 3, 3, 3, 3, 3, 9, 2, 2, 2, 2, 2, 2, 2, 2, 2])).tolist() == [
         1, 4, 0, 0, 0, 2, 0, 1, 4, 0, 0, 0, 4, 0, 0, 0, 1]
     assert row_groups(np.array([], dtype=np.int64)).tolist() == []
+    # a lone chunk (its own short path), and the group size as given
+    assert row_groups(np.full(6, 5)).tolist() == [4, 0, 0, 0, 2, 0]
+    assert row_groups(np.full(1, 5)).tolist() == [1]
+    assert row_groups(np.full(7, 5), rows=2).tolist() == [2, 0, 2, 0, 2, 0, 1]
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # against the rule written out row by row
+        runs = rng.integers(1, 11, rng.integers(1, 8))
+        seq = np.repeat(rng.permutation(50)[:len(runs)], runs)
+        size = int(rng.integers(1, 6))
+        want = []
+        for n in runs:
+            want += [min(size, n - i) if i % size == 0 else 0 for i in range(n)]
+        assert row_groups(seq, rows=size).tolist() == want
 
     def step(chunk_context, chunk_len, decode_contexts):
         ctx = [chunk_context] + list(decode_contexts)

@@ -251,13 +251,16 @@ def row_groups(seq_of_row: np.ndarray, rows: int | None = None) -> np.ndarray:
     lead = np.zeros(n, dtype=np.int64)
     if n == 0:
         return lead
-    starts = np.flatnonzero(np.r_[True, seq_of_row[1:] != seq_of_row[:-1]])
-    ends = np.r_[starts[1:], n]
-    run_start = np.repeat(starts, ends - starts)
-    offset = np.arange(n) - run_start  # index inside its run
-    leaders = offset % rows == 0
-    run_end = np.repeat(ends, ends - starts)
-    lead[leaders] = np.minimum(rows, run_end[leaders] - np.arange(n)[leaders])
+    edges = np.flatnonzero(seq_of_row[1:] != seq_of_row[:-1]) + 1
+    if len(edges) == 0:  # one run, a lone prompt chunk: a few operations (on the way to its first token)
+        at = np.arange(0, n, rows)
+        lead[at] = np.minimum(rows, n - at)
+        return lead
+    starts, ends = np.concatenate(([0], edges)), np.append(edges, n)
+    counts = (ends - starts + rows - 1) // rows  # groups per run
+    first = np.cumsum(counts) - counts
+    at = np.repeat(starts, counts) + rows * (np.arange(int(first[-1] + counts[-1])) - np.repeat(first, counts))
+    lead[at] = np.minimum(rows, np.repeat(ends, counts) - at)
     return lead
 
 
