@@ -64,6 +64,20 @@ class Glm4MoeConfig:
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace
 
+    def num_parameters(self) -> tuple[int, int]:
+        """(routed experts' parameters, all the others) of the layers served: the MTP block,
+        which is never loaded, left out. For messages about memory."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        attention = h * q + 2 * h * kv + q * h + (q + 2 * kv) * self.attention_bias + 2 * d * self.use_qk_norm
+        moe_layers = sum(map(self.is_moe_layer, range(self.num_hidden_layers)))
+        dense_layers = self.num_hidden_layers - moe_layers
+        experts = moe_layers * self.n_routed_experts * 3 * h * self.moe_intermediate_size
+        per_moe = 3 * h * self.shared_intermediate_size + self.n_routed_experts * (h + 1)  # shared expert, router
+        others = (self.num_hidden_layers * (attention + 2 * h) + dense_layers * 3 * h * self.intermediate_size
+                  + moe_layers * per_moe + self.vocab_size * h * (1 + (not self.tie_word_embeddings)) + h)
+        return experts, others
+
     # ---- reading -------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> "Glm4MoeConfig":

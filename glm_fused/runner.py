@@ -21,6 +21,10 @@ from glm_fused.backends import get_backend
 from glm_fused.batch import ForwardBatch, slot_block_tables
 from glm_fused.comm import device_index, shares_gpu
 from glm_fused.config import Glm4MoeConfig
+from glm_fused.errors import UserError
+from glm_fused.fused_op.policy import DTYPE_BYTES
+from glm_fused.kv_cache import GiB
+from glm_fused.quantization import scheme_for
 from glm_fused.engine.sampling import SamplingBatch
 from glm_fused.engine_args import EngineArgs
 from glm_fused.fused_op import setup_fusion
@@ -71,6 +75,19 @@ def _run_of(indices: np.ndarray) -> slice | None:
     return None
 
 
+def weights_do_not_fit(config: Glm4MoeConfig, args: EngineArgs, tp_size: int, memory) -> UserError:
+    """The one line for a model whose weights ran the GPU out of memory while they were made
+    or loaded; ``memory``: (free, total) bytes before, or None."""
+    experts, others = config.num_parameters()
+    width = DTYPE_BYTES[args.dtype]
+    fp8 = scheme_for(config, args.quantization) is not None  # routed experts in one byte a weight
+    per_rank = (experts * (1 if fp8 else width) + others * width) / tp_size
+    had = f"; the GPU had {memory[0] / GiB:.1f} of {memory[1] / GiB:.1f} GiB free" if memory else ""
+    return UserError(f"out of GPU memory loading the weights: {(experts + others) / 1e9:.1f}B parameters take about "
+                     f"{per_rank / GiB:.1f} GiB per rank at --tp {tp_size} ({'fp8 experts, ' if fp8 else ''}"
+                     f"{args.dtype}){had}: use more --tp ranks" + ("" if fp8 else " or --quantization fp8"))
+
+
 def _fetch_all(tokens, logprobs, prompt_logprobs):
     """One callable that waits for every host copy and gives the ``StepOutput``."""
     def fetch() -> StepOutput:
@@ -93,14 +110,20 @@ class ModelRunner:
         self._memory_at_start = F.memory_info(self.device)  # (free, total) on a GPU, before anything is ours
         with F.device_scope(self.device):
             self.comm = F.dist.TPComm(tp_rank, tp_size)
-            self.model = layers.Glm4MoeForCausalLM(config, tp_rank=tp_rank, tp_size=tp_size, fused=args.fused,
-                                                   comm=self.comm, dtype=args.dtype, max_position=args.max_model_len,
-                                                   quantization=args.quantization)
         self.load_stats = None  # LoadStats of this rank's checkpoint read (None with dummy weights)
-        if args.load_format == "dummy":
-            dummy_weights(self.model, args.seed)
-        else:
-            self.load_stats = load_weights(self.model, args.model_dir, progress=tp_rank == 0)
+        try:
+            with F.device_scope(self.device):
+                self.model = layers.Glm4MoeForCausalLM(config, tp_rank=tp_rank, tp_size=tp_size, fused=args.fused,
+                                                       comm=self.comm, dtype=args.dtype,
+                                                       max_position=args.max_model_len, quantization=args.quantization)
+            if args.load_format == "dummy":
+                dummy_weights(self.model, args.seed)
+            else:
+                self.load_stats = load_weights(self.model, args.model_dir, progress=tp_rank == 0)
+        except Exception as exc:  # noqa: BLE001 - only the allocator's "out of memory" is turned into a message
+            if not F.is_out_of_memory(exc):
+                raise
+            raise weights_do_not_fit(config, args, tp_size, self._memory_at_start) from None
         self.model.eval()
         setup_fusion(self.comm, fused=args.fused, fusion_impl=args.fusion_impl, sm=F.gpu_sm(self.device),
                      hidden_size=config.hidden_size, dtype=args.dtype,

@@ -267,3 +267,32 @@ def test_kv_cache_too_small_for_one_full_length_sequence_is_one_line():
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and lines[0].startswith("error: --max-model-len 512: the KV cache holds 128 tokens")
     assert "--num-gpu-blocks-override" in lines[0] and not proc.leftovers
+
+
+def test_weights_that_run_the_gpu_out_of_memory_are_one_line(monkeypatch):
+    """The allocator running out while the weights are made or loaded is said in one line
+    with what they need per rank and what to change, not the allocator's trace; and the
+    server's clean-up after such a start raises nothing of its own."""
+    from glm_fused import runner as R
+    from glm_fused.engine_args import EngineArgs
+    from glm_fused.errors import UserError
+    from glm_fused.server.preprocess_pool import PreprocessPool
+
+    def no_memory(model, seed):
+        raise MemoryError("out of memory")  # what Paddle raises (torch's own type: ops.is_out_of_memory)
+
+    monkeypatch.setattr(R, "dummy_weights", no_memory)
+    settings = EngineArgs(model="glm-4.5-air-tiny", load_format="dummy", backend="torch", device="cpu",
+                          dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
+                          num_gpu_blocks_override=32).resolve()
+    with pytest.raises(UserError) as info:
+        R.ModelRunner(settings, settings.config(), tp_rank=0, tp_size=1)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("out of GPU memory loading the weights")
+    assert "--tp 1" in message and "--quantization fp8" in message
+    experts, others = settings.config().num_parameters()
+    assert f"{(experts + others) * 4 / 2**30:.1f} GiB per rank" in message  # float32
+    monkeypatch.setattr(R, "dummy_weights", lambda model, seed: 1 / 0)  # any other failure stays itself
+    with pytest.raises(ZeroDivisionError):
+        R.ModelRunner(settings, settings.config(), tp_rank=0, tp_size=1)
+    PreprocessPool({"model_name": "m", "vocab_size": 8}, workers=2).close()  # never started

@@ -185,6 +185,21 @@ def _names(path: Path) -> set[str]:
         return set(f.keys())
 
 
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_the_parameter_count_is_transformers_own(name):
+    """``Glm4MoeConfig.num_parameters`` (what the out-of-memory message at load reports) counts
+    what transformers' model holds: its parameters and the router's correction bias (a buffer
+    there, a weight of the checkpoint)."""
+    from glm_fused.config import Glm4MoeConfig
+
+    model = _hf_model(CHECKPOINTS[name])
+    experts, others = Glm4MoeConfig.from_dict(model.config.to_dict()).num_parameters()
+    held = dict(model.named_parameters())
+    held.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert experts == sum(t.numel() for n, t in held.items() if ".mlp.experts." in n) > 0
+    assert experts + others == sum(t.numel() for t in held.values())
+
+
 def test_checkpoints_are_the_forms_we_claim(ckpts):
     a, b = _names(ckpts["A"]), _names(ckpts["B"])
     assert "model.layers.1.mlp.experts.0.gate_proj.weight" in a and "model.layers.1.mlp.experts.gate_up_proj" not in a

@@ -327,6 +327,10 @@ class Ops:
         """Replayable decode steps (CUDA graphs; ``glm_fused.torch_backend.cuda_graph``)."""
         raise NotImplementedError
 
+    def is_out_of_memory(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is this framework's allocator running out of device memory."""
+        return isinstance(exc, MemoryError)
+
     def memory_info(self, device) -> tuple[int, int] | None:
         """``(free, total)`` bytes of a GPU device; None for a CPU (no fixed memory to size from)."""
         return None

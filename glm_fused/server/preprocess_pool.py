@@ -129,10 +129,12 @@ class PreprocessPool:
         self.started = True
 
     def close(self) -> None:
+        """Stop the workers; also after a start that never came (the model failed to load)."""
         for _ in self._workers:
             self.jobs.put(None)
         for w in self._workers:
-            w.thread.join(5)
+            if w.thread.ident is not None:  # started
+                w.thread.join(5)
             w.stop()
 
     def worker_pids(self) -> list[int]:

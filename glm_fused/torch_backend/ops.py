@@ -465,6 +465,9 @@ class TorchOps(Ops):
         with torch.inference_mode():
             return DecodeGraphs(model, kv_caches, max_num_seqs, max_blocks_per_seq, next_tokens)
 
+    def is_out_of_memory(self, exc: BaseException) -> bool:
+        return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+
     def memory_info(self, device):
         if torch.device(device).type != "cuda":
             return None
