@@ -21,14 +21,14 @@ from glm_fused.backends import get_backend
 from glm_fused.batch import ForwardBatch, slot_block_tables
 from glm_fused.comm import device_index, shares_gpu
 from glm_fused.config import Glm4MoeConfig
-from glm_fused.errors import UserError
-from glm_fused.fused_op.policy import DTYPE_BYTES
-from glm_fused.kv_cache import GiB
-from glm_fused.quantization import scheme_for
 from glm_fused.engine.sampling import SamplingBatch
 from glm_fused.engine_args import EngineArgs
+from glm_fused.errors import UserError
 from glm_fused.fused_op import setup_fusion
+from glm_fused.fused_op.policy import DTYPE_BYTES
+from glm_fused.kv_cache import GiB
 from glm_fused.model.loader import dummy_weights, load_weights
+from glm_fused.quantization import scheme_for
 
 log = logging.getLogger("glm_fused.runner")
 

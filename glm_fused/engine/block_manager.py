@@ -8,8 +8,8 @@ finishes, is aborted or is preempted.
 Prefix caching (on by default). A block whose positions are all computed is keyed by a hash
 of its tokens and of everything before it: ``h_i = sha256(tokens of blocks 0..i)`` (int64
 bytes; one running sha256 per sequence, digested at each block's end, so each token is
-hashed once). Two sequences whose first i blocks hold the same tokens therefore have the same ``h_i``,
-and the keys and values in those blocks are the same (causal attention: a position depends
+hashed once). Two sequences whose first i blocks hold the same tokens therefore have the same
+``h_i``, and the keys and values in those blocks are the same (causal attention: a position depends
 only on the tokens up to it), so a new sequence starts from the blocks it finds under its
 own hashes and computes only the rest. The lookup hashes a new sequence's blocks a few at a
 time and stops at the first miss: a long uncached prompt is hashed as its chunks are computed,

@@ -135,8 +135,8 @@ class LLMEngine:
                      param: str = "prompt", max_tokens_given: bool = True) -> np.ndarray:
         """The ids as an int64 array, or InvalidParam when a request cannot fit; ``param``
         names the prompt field."""
-        return check_prompt(prompt_token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                     param=param, max_tokens_given=max_tokens_given)
+        return check_prompt(prompt_token_ids, params, max_model_len=self.max_model_len,
+                            vocab_size=self.vocab_size, param=param, max_tokens_given=max_tokens_given)
 
     def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams,
                     arrival_time: float | None = None, grammar=None) -> Sequence:

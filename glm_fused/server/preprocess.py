@@ -48,8 +48,9 @@ class Prepared:
     """A validated, tokenized request: what the HTTP side submits and how it answers.
 
     ``prompts``: token ids of each prompt (completions may send several), as the int64
-    arrays the engine takes; each runs ``n`` times. ``prompt_texts``: the prompts as text, for ``echo``. Chat: ``tools`` are the
-    request's tools when tool calls are parsed from the answer (None: not parsed),
+    arrays the engine takes; each runs ``n`` times. ``prompt_texts``: the prompts as text,
+    for ``echo``. Chat: ``tools`` are the request's tools when tool calls are parsed from
+    the answer (None: not parsed),
     ``tool_mode`` the resolved tool_choice (none, auto, required, named),
     ``reasoning`` whether the glm45 reasoning parser splits it, ``prompt_tail`` the end of
     the rendered prompt (where the answer starts), ``grammar`` the xgrammar structural tag
