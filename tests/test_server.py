@@ -515,6 +515,26 @@ def test_impossible_flags_refused_before_any_rank_starts():
             (flags, run.stderr)
 
 
+def test_uvicorn_runs_httptools_and_uvloop_and_says_when_one_is_missing(monkeypatch, caplog):
+    """The package depends on both; uvicorn is told to use them, not left to its silent
+    "auto", and an install without one still serves, with a warning naming it."""
+    import logging
+
+    from fastapi import FastAPI
+
+    from glm_fused.server import app as server_app
+
+    http = server_app.HttpServer(FastAPI(), "127.0.0.1", free_port())
+    assert (http.http, http.loop) == ("httptools", "uvloop")
+    http.server.config.load()
+    assert http.server.config.http_protocol_class.__name__ == "HttpToolsProtocol"
+    real = server_app._importable
+    monkeypatch.setattr(server_app, "_importable", lambda name: name != "httptools" and real(name))
+    with caplog.at_level(logging.WARNING, logger="glm_fused.server"):
+        assert server_app.http_stack() == ("h11", "uvloop")
+    assert "httptools not installed: uvicorn runs h11 + uvloop" in caplog.text
+
+
 # ---- in-process: the HTTP layer over a fake runner (fast) ----------------------------------
 @pytest.fixture
 def fake_server(request):
