@@ -215,6 +215,7 @@ def test_health_and_models(server):
     card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
     info = card["glm_fused"]
     assert info["tp"] == server.tp and info["layout"] == "fused" and info["fusion"] == "reference"
+    assert info["http"] == "uvicorn (httptools, uvloop)"  # the package's dependencies, named to uvicorn
     # CPU default: room for --max-num-seqs 8 sequences of --max-model-len 256, in blocks of 16.
     assert card["max_model_len"] == 256
     kv = info["kv_cache"]

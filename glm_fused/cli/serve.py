@@ -207,6 +207,7 @@ def _serve(args: argparse.Namespace) -> int:
                      max_model_len=args.max_model_len, api_key=args.api_key, info=info,
                      max_body_bytes=args.max_request_body_bytes, tokenizer=tokenizer, grammars=grammars)
     http = HttpServer(app, args.host, args.port, log_requests=not args.disable_log_requests)
+    info["http"] = f"uvicorn ({http.http}, {http.loop})"  # a benchmark's report says what served it
     http.start()  # /health says 503 while the ranks load
 
     rank = _join(args)  # imports the backend (which may install its own handlers) and joins the group
@@ -233,9 +234,8 @@ def _serve(args: argparse.Namespace) -> int:
         watchdog.start()
         bridge.engine = engine
         weights = "" if runner.load_stats is None else f", weights loaded at {runner.load_stats} on rank 0"
-        logger.info("ready in %.1f s%s: serving %r at http://%s:%d/v1 (OpenAI API), /health, /metrics "
-                    "(uvicorn: %s, %s)", time.monotonic() - t0, weights, args.served_model_name, args.host,
-                    args.port, http.http, http.loop)
+        logger.info("ready in %.1f s%s: serving %r at http://%s:%d/v1 (OpenAI API), /health, /metrics; %s",
+                    time.monotonic() - t0, weights, args.served_model_name, args.host, args.port, info["http"])
         run_engine_loop(engine, bridge, metrics, watchdog)
         http.drain(*STOP_DRAIN_S)  # /health keeps saying 503 while the last answers go out
         logger.info("stopped: in-flight requests cancelled, every rank told to stop")
