@@ -23,11 +23,10 @@ class Rank:
 
     def __init__(self, args):
         from glm_fused.backends import get_backend
+        from glm_fused.comm import device_kind
 
         self.args = args if isinstance(args, EngineArgs) else EngineArgs.from_dict(vars(args) if isinstance(
             args, argparse.Namespace) else args)
-        from glm_fused.comm import device_kind
-
         if self.args.device is not None and self.args.device != device_kind():
             # The launcher tells each rank its device (GLM_FUSED_DEVICE); a process built without
             # it would put a GPU run's model on the CPU and say nothing.
