@@ -19,7 +19,7 @@ import numpy as np
 from glm_fused import kv_cache
 from glm_fused.backends import get_backend
 from glm_fused.batch import ForwardBatch, slot_block_tables
-from glm_fused.comm import device_index, shares_gpu
+from glm_fused.comm import device_index, device_kind, shares_gpu
 from glm_fused.config import Glm4MoeConfig
 from glm_fused.engine.sampling import SamplingBatch
 from glm_fused.engine_args import EngineArgs
@@ -103,6 +103,12 @@ class ModelRunner:
     def __init__(self, args: EngineArgs, config: Glm4MoeConfig, *, tp_rank: int, tp_size: int):
         if not args.resolved:
             raise ValueError("ModelRunner takes resolved settings: call EngineArgs.resolve() first")
+        if args.device != device_kind():
+            # The device comes from the launcher's GLM_FUSED_DEVICE; a process started without it
+            # would put a GPU run's model on the CPU and say nothing.
+            raise RuntimeError(f"settings say device {args.device}, but this process's GLM_FUSED_DEVICE is "
+                               f"{device_kind()}: start ranks through glm_fused.launcher.launch, or set "
+                               "GLM_FUSED_DEVICE and GLM_FUSED_DEVICE_ID as it does")
         layers = get_backend(args.backend).LAYERS
         F = self.F = layers.F
         self.args, self.config = args, config

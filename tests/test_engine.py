@@ -847,24 +847,24 @@ def test_runner_logprobs_are_the_forward_log_softmax():
     assert _runner_run("paddle") == _runner_run("torch")
 
 
-def test_rank_refuses_a_device_its_process_was_not_given(monkeypatch):
-    """Rank(args) outside the launcher: settings for a GPU in a process the launcher did not
-    give one (GLM_FUSED_DEVICE unset means cpu) stop at once, naming both, rather than build the
-    model on the CPU."""
+def test_runner_refuses_a_device_its_process_was_not_given(monkeypatch):
+    """A runner built outside the launcher: settings for a GPU in a process the launcher did
+    not give one (GLM_FUSED_DEVICE unset means cpu) stop at once, naming both, rather than
+    build the model on the CPU; and the other way round."""
     pytest.importorskip("torch")
-    from glm_fused.cli.common import Rank
     from glm_fused.engine_args import EngineArgs
+    from glm_fused.runner import ModelRunner
 
     monkeypatch.delenv("GLM_FUSED_DEVICE", raising=False)
     args = EngineArgs(model="glm-4.5-air-tiny", backend="torch", device="cpu", max_num_seqs=2,
                       max_model_len=64).resolve()
     args.device = "gpu"  # as resolved on a machine with a GPU
     with pytest.raises(RuntimeError, match="settings say device gpu, but this process's GLM_FUSED_DEVICE is cpu"):
-        Rank(args)
+        ModelRunner(args, args.config(), tp_rank=0, tp_size=1)
     monkeypatch.setenv("GLM_FUSED_DEVICE", "gpu")
     args.device = "cpu"
     with pytest.raises(RuntimeError, match="device cpu, but .* is gpu"):
-        Rank(args)
+        ModelRunner(args, args.config(), tp_rank=0, tp_size=1)
 
 
 @pytest.mark.timeout(240)

@@ -23,16 +23,9 @@ class Rank:
 
     def __init__(self, args):
         from glm_fused.backends import get_backend
-        from glm_fused.comm import device_kind
 
         self.args = args if isinstance(args, EngineArgs) else EngineArgs.from_dict(vars(args) if isinstance(
             args, argparse.Namespace) else args)
-        if self.args.device is not None and self.args.device != device_kind():
-            # The launcher tells each rank its device (GLM_FUSED_DEVICE); a process built without
-            # it would put a GPU run's model on the CPU and say nothing.
-            raise RuntimeError(f"settings say device {self.args.device}, but this process's GLM_FUSED_DEVICE is "
-                               f"{device_kind()}: start ranks through glm_fused.launcher.launch, or set "
-                               "GLM_FUSED_DEVICE and GLM_FUSED_DEVICE_ID as it does")
         self.backend = get_backend(self.args.backend)
         self.rank, self.world = self.backend.init_distributed()
         self.config = self.args.config()
