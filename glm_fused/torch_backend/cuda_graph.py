@@ -161,7 +161,9 @@ class DecodeGraphs:
             host[5, :S] = row_groups(batch.rows)
         self._fill_padding(S)
         self._pinned_tables.numpy()[:S, :batch.block_tables.shape[1]] = batch.block_tables
-        self.inputs[:, :bs].copy_(self._pinned[:, :bs], non_blocking=True)
+        # All of it: [:, :bs] is a strided view, which torch copies through a pageable host
+        # copy and an extra kernel; the whole buffer is one DMA of pinned memory (3 KiB at 64 rows).
+        self.inputs.copy_(self._pinned, non_blocking=True)
         self.tables[:bs].copy_(self._pinned_tables[:bs], non_blocking=True)
         self._copied[self._turn] = torch.cuda.Event()
         self._copied[self._turn].record()
