@@ -82,7 +82,9 @@ class DecodeGraphs:
         self.tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self._staging = [(torch.zeros(6, n, dtype=torch.int64, pin_memory=True),
                           torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, pin_memory=True)) for _ in range(2)]
-        self._copied: list[torch.cuda.Event | None] = [None, None]  # after each staging pair's last copy
+        # recorded after each staging pair's last copy; re-recorded, not made anew, each step
+        # (one never recorded is synchronized at once)
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()]
         self._turn = 0
         self._pinned, self._pinned_tables = self._staging[0]
         # per size: the decode graph, and (sizes above 1) the grouped one for steps with prompt chunks
@@ -150,8 +152,7 @@ class DecodeGraphs:
         bs = next(s for s in self.sizes if s >= S)
         self._turn ^= 1
         self._pinned, self._pinned_tables = self._staging[self._turn]
-        if self._copied[self._turn] is not None:
-            self._copied[self._turn].synchronize()  # two steps back: long done in practice
+        self._copied[self._turn].synchronize()  # two steps back: long done in practice
         host = self._pinned.numpy()
         host[0, :S], host[1, :S] = batch.input_ids, batch.positions
         host[2, :S] = batch.slot_mapping(self.block_size)
@@ -165,7 +166,6 @@ class DecodeGraphs:
         # copy and an extra kernel; the whole buffer is one DMA of pinned memory (3 KiB at 64 rows).
         self.inputs.copy_(self._pinned, non_blocking=True)
         self.tables[:bs].copy_(self._pinned_tables[:bs], non_blocking=True)
-        self._copied[self._turn] = torch.cuda.Event()
         self._copied[self._turn].record()
         graph, out, stats = (self.grouped_graphs if grouped else self.graphs)[bs]
         graph.replay()
