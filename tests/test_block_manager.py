@@ -74,6 +74,19 @@ def test_the_lookup_stops_hashing_at_the_first_miss():
     assert bm.cached_prefix(again) == b.block_table  # a lookup of several batches
 
 
+@pytest.mark.parametrize("shared", [0, 1, 31, 32, 33, 64, 70, 100])
+def test_the_lookup_finds_the_longest_cached_run_across_its_batches(shared):
+    """Blocks are looked up a batch at a time: the run of hits ends where the first miss is,
+    wherever in a batch it falls, and a second lookup (keys already on the sequence) agrees."""
+    bm = BlockManager(512, BS)
+    base = list(range(100 * BS))
+    a = computed(bm, seq(base, "a"))  # 100 full blocks cached
+    tokens = base[:shared * BS] + [10_000 + i for i in range((100 - shared) * BS)] + [7]
+    q = seq(tokens, "q")
+    assert bm.cached_prefix(q) == a.block_table[:shared]
+    assert bm.cached_prefix(q) == a.block_table[:shared]
+
+
 def test_full_blocks_are_shared_copy_free_with_reference_counts():
     bm = BlockManager(10, BS)
     a = computed(bm, seq(range(10), "a"))          # blocks: 2 full + 1 partial
