@@ -176,8 +176,8 @@ def run_engine_loop(engine: LLMEngine, bridge: EngineBridge, metrics: ServerMetr
             if engine.has_unfinished():
                 with track("step"):
                     outs = engine.step()
+                bridge.deliver([(o.request_id, o) for o in outs])  # first: the event loop wakes meanwhile
                 _observe(metrics, outs)
-                bridge.deliver([(o.request_id, o) for o in outs])
             else:
                 with track("idle heartbeat"):
                     engine.heartbeat()
