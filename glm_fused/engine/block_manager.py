@@ -106,15 +106,12 @@ class BlockManager:
             return []
         hits, last, hashes = [], seq.reusable_tokens // self.block_size, seq.block_hashes
         while len(hits) < last:
-            end = min(last, len(hits) + LOOKUP_BATCH)
-            if len(hashes) < end:
-                self.hashes(seq, end)  # extends seq.block_hashes
-            # A batch looked up at once (map): block by block in Python, the loop cost more than the hashing.
-            found = list(map(self.cached.get, hashes[len(hits):end]))
-            if None in found:
-                hits += found[:found.index(None)]
+            if len(hits) == len(hashes):
+                self.hashes(seq, min(last, len(hits) + LOOKUP_BATCH))
+            block_id = self.cached.get(hashes[len(hits)])
+            if block_id is None:
                 break
-            hits += found
+            hits.append(block_id)
         return hits
 
     # ---- handing blocks out and taking them back ---------------------------------------
