@@ -76,8 +76,9 @@ def test_the_lookup_stops_hashing_at_the_first_miss():
 
 @pytest.mark.parametrize("shared", [0, 1, 31, 32, 33, 64, 70, 100])
 def test_the_lookup_finds_the_longest_cached_run_across_its_batches(shared):
-    """Blocks are looked up a batch at a time: the run of hits ends where the first miss is,
-    wherever in a batch it falls, and a second lookup (keys already on the sequence) agrees."""
+    """Keys are hashed a batch (LOOKUP_BATCH) at a time: the run of hits ends where the first
+    miss is, wherever in a batch it falls, and a second lookup (keys already on the sequence)
+    agrees."""
     bm = BlockManager(512, BS)
     base = list(range(100 * BS))
     a = computed(bm, seq(base, "a"))  # 100 full blocks cached
