@@ -344,7 +344,12 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
         hf_x = hidden[:, None, :]
         position_ids = torch.full((B, 1), C, device=device)
     positions = torch.as_tensor(batch.positions, device=device)
-    meta = AttentionMetadata.from_batch(batch, OPS, like=positions, block_size=page)
+
+    def metadata(use_triton: bool):  # the plain ops and the kernels read different metadata
+        with triton_kernels(use_triton):
+            return AttentionMetadata.from_batch(batch, OPS, like=positions, block_size=page)
+
+    metas = {on: metadata(on) for on in (False, True)}
     # Each sequence's blocks back to back: [B, positions] for transformers' cache, the same
     # memory as [blocks, page] for ours.
     width = tables.shape[1] * page
@@ -372,7 +377,7 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
 
     handle = ours.mlp.register_forward_pre_hook(record) if kind == "moe" else None
     with torch.inference_mode(), triton_kernels(False):
-        ours(positions, hidden, None, meta, (k_cache, v_cache))
+        ours(positions, hidden, None, metas[False], (k_cache, v_cache))
     if handle is not None:
         handle.remove()
     res = {"layer": kind, "step": step, "tokens": T, "seqs": B, "context": C,
@@ -412,7 +417,7 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
                     fused, use_triton, graph = OURS[impl]
                     layer = layers[fused]
                     with triton_kernels(use_triton):
-                        def fn(layer=layer):
+                        def fn(layer=layer, meta=metas[use_triton]):
                             out, residual = layer(positions, hidden, None, meta, (k_cache, v_cache))
                             return out + residual  # the residual stream after the layer
                         if graph and step != "prefill" and device.type == "cuda":
@@ -442,10 +447,11 @@ def run_case(config, kind: str, step: str, layers: dict, hf, rotary, args, devic
     res["impls"] = {i: res["impls"][i] for i in args.impls if i in res["impls"]}  # the order asked for
     if args.profile and device.type == "cuda":
         with torch.inference_mode(), triton_kernels(True):
-            res["kernels"] = profile_kernels(lambda: layers[True](positions, hidden, None, meta, (k_cache, v_cache)))
+            res["kernels"] = profile_kernels(
+                lambda: layers[True](positions, hidden, None, metas[True], (k_cache, v_cache)))
             if "fp8" in layers and "ours-fp8" in args.impls:
                 res["kernels_fp8"] = profile_kernels(
-                    lambda: layers["fp8"](positions, hidden, None, meta, (k_cache, v_cache)))
+                    lambda: layers["fp8"](positions, hidden, None, metas[True], (k_cache, v_cache)))
     ours_ms = res["impls"].get("ours", {}).get("ms")
     for impl, entry in res["impls"].items():
         if impl != "ours" and ours_ms and entry.get("ms"):
