@@ -52,9 +52,9 @@ logger = logging.getLogger("glm_fused.server")
 
 # How long the idle engine loop waits on its inbox before it looks again (stop flag,
 # heartbeat). Short on purpose: on one H200 a request arriving after a pause reached its first
-# token 0.1-0.4 ms sooner with a 1 or 5 ms wait than with 0.1 s, near the runs' spread
-# (docs/speed.md, "Prefix-cache TTFT: the idle wait"), for 2-3% of one core while idle
-# (0.4% at 0.1 s).
+# token 0.1-0.4 ms sooner with a 1 or 5 ms wait than with 0.1 s, near the runs' spread; on
+# one H100 the wait made no difference (docs/speed.md, "Prefix-cache TTFT: the idle wait").
+# It costs 2-3% of one core while idle (0.4% at 0.1 s).
 IDLE_POLL_S = 0.005
 
 
