@@ -86,6 +86,7 @@ def test_bench_layers_runs_and_layers_agree(cuda, tmp_path):
     # after every case's bf16 checks, so an fp8 miss cannot hide a bf16 fault.
     for case in out["cases"]:
         fp8 = case["impls"]["ours-fp8"]
+        assert "error" not in fp8, (case["layer"], case["step"], fp8)
         assert fp8["ms"] > 0 and case["fp8_floor_ms"] < case["floor_ms"] and not fp8["vs_reference"]["nan"]
         assert fp8["vs_reference"]["row_rel_p50"] <= 5e-2, (case["layer"], case["step"], fp8)
 
