@@ -29,7 +29,8 @@ rounding; its distance to the unquantized layer is reported beside (``vs_unquant
 ``python scripts/bench_layers.py`` (defaults: GPU, bf16, prefill 2048, decode 1/8/32/64 at
 context 512, batch 1 also at 256 and 4096); ``--device cpu --config configs/glm-4.5-air-tiny.json --prefill 64 --matmul-n 256 --copy-mib 16
 ...`` runs the same code small on a CPU (the default 8192-wide matmul that measures the
-matrix rate would take minutes there). ``--json OUT`` writes every figure.
+matrix rate would take minutes there), the Triton kernels too under ``TRITON_INTERPRET=1``
+(``--dtype float32``; the interpreter has no bf16 arithmetic). ``--json OUT`` writes every figure.
 """
 
 from __future__ import annotations
@@ -498,6 +499,10 @@ def run(args) -> dict:
     """Measure the machine, then every (layer, step) case; print the table; return every figure."""
     device = torch_device(args.device)
     dtype = getattr(torch, args.dtype)
+    from glm_fused.torch_backend import kernels
+
+    if device.type == "cpu" and kernels.interpreting():  # TRITON_INTERPRET=1: the kernels on CPU tensors
+        kernels.interpreter_numpy2_fix()
     config = load_config(args.config, num_hidden_layers=max(2, 1 + load_config(args.config).first_k_dense_replace))
     out = {"config": str(args.config), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "dtype": args.dtype, "torch": torch.__version__, "prefill": args.prefill, "context": args.context,

@@ -502,6 +502,35 @@ def test_no_kernel_compiles_after_start_up(cuda, monkeypatch, tmp_path, quantiza
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_bench_layers_under_the_interpreter(tmp_path):
+    """scripts/bench_layers.py end to end on CPU, tiny sizes, fp32: the kernels (interpreted,
+    launched op by op) and the plain ops, each with the attention metadata it reads, against
+    transformers' layer, for both layer kinds, prefill and decode. The GPU test
+    (test_gpu_model.py) is the only other run of this script, and CI has no GPU."""
+    pytest.importorskip("triton")
+    pytest.importorskip("transformers")
+    out = tmp_path / "layers.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(HERE.parent / "scripts" / "bench_layers.py"), "--device", "cpu",
+                           "--dtype", "float32", "--config", str(HERE.parent / "configs" / "glm-4.5-air-tiny.json"),
+                           "--prefill", "16", "--decode-batches", "1,2", "--context", "16", "--iters", "1",
+                           "--warmup", "0", "--matmul-n", "64", "--copy-mib", "4",
+                           "--impls", "ours-eager,ours-v0,hf-eager", "--json", str(out)],
+                          capture_output=True, text=True, timeout=280, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["layer"], c["step"]) for c in cases] == [
+        (kind, step) for kind in ("moe", "dense") for step in ("prefill", "decode-b1-c16", "decode-b2-c16")]
+    for case in cases:
+        for impl in ("ours-eager", "ours-v0"):
+            result = case["impls"][impl]
+            assert "error" not in result, (case["layer"], case["step"], impl, result)
+            assert not result["vs_reference"]["nan"]
+            assert result["vs_reference"]["max_rel"] <= FP32_TOL, (case["layer"], case["step"], impl, result)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_bench_attention_dry_run(tmp_path):
     """scripts/bench_attention.py end to end under the interpreter (tiny sizes): both layouts
     agree, every block size gets a ratio; a fresh prompt through both prompt paths agrees, and
