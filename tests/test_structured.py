@@ -5,6 +5,7 @@ a stop token and gives text that parses and follows its schema, checked with ``j
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import jsonschema
@@ -211,6 +212,8 @@ def test_the_tiny_models_own_logits(tiny_dir, tok, so):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    # transformers 5.2x renamed the KV cache's keyword and output field past_key_values -> cache
+    cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     prompt = tok.apply_chat_template([{"role": "user", "content": "Where does a river begin?"}],
                                      enable_thinking=False, tools=TOOLS)
     mode, name = resolve_tool_choice({"type": "function", "function": {"name": "get_weather"}}, TOOLS)
@@ -223,8 +226,8 @@ def test_the_tiny_models_own_logits(tiny_dir, tok, so):
         step_ids, out = torch.tensor([ids]), []
         with torch.no_grad():
             for _ in range(MAX_TOKENS):
-                result = model(input_ids=step_ids, past_key_values=past, use_cache=True)
-                past = result.past_key_values
+                result = model(input_ids=step_ids, use_cache=True, **{cache: past})
+                past = getattr(result, cache)
                 logits = result.logits[:, -1, :].float()
                 logits[0, ~torch.from_numpy(bitmask_to_bool(state.next_bitmask(), so.vocab_size))] = -torch.inf
                 token = int(torch.argmax(logits[0]))
