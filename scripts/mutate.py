@@ -171,6 +171,12 @@ MUTATIONS: list[Mutation] = [
              "            if value:\n"
              "                family.add_metric([self.model_name], value)\n            yield family\n",
              ("tests/test_server.py::test_metrics_move[tp2]",)),
+    # ---- benchmarks --------------------------------------------------------------------------
+    Mutation("bench-layers-one-metadata", "bench_layers hands the kernels' attention metadata to the plain ops too",
+             "bench/bench_layers.py",
+             "    metas = {on: metadata(on) for on in (False, True)}\n",
+             "    metas = dict.fromkeys((False, True), metadata(True))\n",
+             ("tests/test_triton_kernels.py::test_bench_layers_under_the_interpreter",)),
 ]
 
 
