@@ -519,6 +519,8 @@ def run(args) -> dict:
         out["triton"] = triton.__version__
     except ImportError:
         pass
+    with triton_kernels(True):  # False: the kernel variants ran the plain ops (no Triton for this device)
+        out["triton_kernels"] = kernels.enabled(torch.empty(0, device=device))
     args.bandwidth = copy_bandwidth(device, args.copy_mib)
     args.matrix_rate = matmul_rate(device, args.matmul_n, dtype)
     out["copy_bandwidth_GBps"] = args.bandwidth / 1e9

@@ -518,7 +518,9 @@ def test_bench_layers_under_the_interpreter(tmp_path):
                            "--impls", "ours-eager,ours-v0,hf-eager", "--json", str(out)],
                           capture_output=True, text=True, timeout=280, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    cases = json.loads(out.read_text())["cases"]
+    report = json.loads(out.read_text())
+    assert report["triton_kernels"], "the kernel variants ran the plain ops"
+    cases = report["cases"]
     assert [(c["layer"], c["step"]) for c in cases] == [
         (kind, step) for kind in ("moe", "dense") for step in ("prefill", "decode-b1-c16", "decode-b2-c16")]
     for case in cases:
