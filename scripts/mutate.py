@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Plant known bugs one at a time and check that the tests named for each one catch it.
 
-    python scripts/mutate.py                 # every mutation in MUTATIONS (about 11 minutes on 2 cores)
+    python scripts/mutate.py                 # every mutation in MUTATIONS (about 13 minutes on 2 cores)
     python scripts/mutate.py --list          # what each one plants, where, and its tests
     python scripts/mutate.py sampler-ignores-temperature router-logits-bf16
 
