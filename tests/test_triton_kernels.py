@@ -59,13 +59,18 @@ def _assert_checks(results: dict, tol: float) -> None:
     assert not missed, missed
 
 
+def _interpreter_env() -> dict:
+    """A child process's environment that runs the kernels under Triton's CPU interpreter."""
+    return {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_kernels_under_the_triton_interpreter(tmp_path):
     pytest.importorskip("triton")
     # the interpreter is single-threaded Python: the checks are shared by one process per core (at most 4)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
+    env = _interpreter_env()
     procs = [subprocess.Popen([sys.executable, str(HERE / "triton_checks.py"), "cpu", "float32", str(tmp_path)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(max(1, min(4, cores)))]
@@ -510,7 +515,7 @@ def test_bench_layers_under_the_interpreter(tmp_path):
     pytest.importorskip("triton")
     pytest.importorskip("transformers")
     out = tmp_path / "layers.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
+    env = _interpreter_env()
     proc = subprocess.run([sys.executable, str(HERE.parent / "scripts" / "bench_layers.py"), "--device", "cpu",
                            "--dtype", "float32", "--config", str(HERE.parent / "configs" / "glm-4.5-air-tiny.json"),
                            "--prefill", "16", "--decode-batches", "1,2", "--context", "16", "--iters", "1",
