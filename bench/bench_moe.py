@@ -15,7 +15,7 @@ loop on the dequantized weights within 5e-2 (activation quantization; the fp8 ru
 mode and tile per size ready for ``FP8_DECODE_MODES`` / ``_FP8_DECODE_TILES`` (no grouped GEMM
 row).
 
-``python scripts/bench_moe.py [--tokens 1,8,32,64,256,2048] [--fp8] [--json OUT]``
+``python scripts/bench_moe.py [--tokens 1,8,32,64,256,512,1024,2048] [--fp8] [--json OUT]``
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from bench.reference import rel_error
 
 # (block_m, block_n, block_k, group_m, warps, stages). Small sizes: one config for both GEMMs.
 # Large sizes: the gate_up GEMM's candidates with the down GEMM fixed at the first of its
-# list, then the down GEMM's candidates with the best gate_up.
+# list, then the down GEMM's candidates with the best gate_up. The 32- and 64-row tiles are for
+# prompt chunks of a few hundred tokens, where each expert gets a few dozen rows.
 SMALL = [(16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 128, 128, 1, 4, 3),
          (16, 64, 128, 1, 8, 4), (32, 64, 128, 1, 4, 4)]
 # fp8 tiles read half the bytes: wider K steps and narrower N (more programs at batch 1).
@@ -46,10 +47,12 @@ FMA_FP8 = [(1, bn, bk, 1, w, 3, 2) for bn in (4, 8, 16) for bk in (256, 512, 102
 LARGE_GATE_UP = [(128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 64, 64, 8, 4, 4), (128, 64, 64, 8, 8, 4),
                  (128, 64, 128, 8, 8, 3), (64, 128, 64, 8, 4, 4), (128, 128, 64, 4, 8, 3), (128, 128, 64, 16, 8, 3),
                  (256, 64, 64, 8, 8, 3), (64, 128, 64, 8, 8, 4), (64, 128, 128, 8, 8, 3), (64, 256, 64, 8, 8, 3),
-                 (64, 64, 128, 8, 4, 4)]
+                 (64, 64, 128, 8, 4, 4), (32, 64, 128, 1, 4, 4), (32, 128, 64, 8, 4, 4), (32, 128, 128, 8, 4, 3),
+                 (64, 128, 64, 8, 4, 3)]
 LARGE_DOWN = [(128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3),
               (64, 128, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4), (64, 256, 64, 8, 8, 3), (128, 128, 64, 4, 8, 4),
-              (256, 128, 64, 8, 8, 3), (64, 128, 64, 8, 8, 4), (64, 128, 128, 8, 8, 3), (64, 64, 128, 8, 4, 4)]
+              (256, 128, 64, 8, 8, 3), (64, 128, 64, 8, 8, 4), (64, 128, 128, 8, 8, 3), (64, 64, 128, 8, 4, 4),
+              (32, 64, 128, 1, 4, 4), (32, 128, 64, 8, 4, 4), (32, 128, 128, 8, 4, 3), (32, 256, 64, 8, 8, 3)]
 
 
 def grouped_mm_moe(x, w_gate_up, w_down, weights, ids):
@@ -165,7 +168,7 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="bench_moe.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, default=AIR_CONFIG)
-    p.add_argument("--tokens", type=int_list, default=[1, 8, 32, 64, 256, 2048])
+    p.add_argument("--tokens", type=int_list, default=[1, 8, 32, 64, 256, 512, 1024, 2048])
     p.add_argument("--fp8", action="store_true", help="fp8 weights (e4m3, one scale per row) and the fp8 kernels")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
