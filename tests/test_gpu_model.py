@@ -68,6 +68,7 @@ def test_bench_layers_runs_and_layers_agree(cuda, tmp_path):
          "--impls", "ours,ours-eager,ours-v0,ours-fp8,hf-eager",
          "--json", str(tmp_path / "bench.json")]))
     assert out["copy_bandwidth_GBps"] > 0 and out["matrix_TFLOPs"] > 0
+    assert out["triton_kernels"], "the kernel variants ran the plain ops"
     for case in out["cases"]:
         ours = case["impls"]["ours"]
         assert "ms" in ours and ours["ms"] > 0, ours
