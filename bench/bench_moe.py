@@ -32,8 +32,9 @@ from bench.reference import rel_error
 
 # (block_m, block_n, block_k, group_m, warps, stages). Small sizes: one config for both GEMMs.
 # Large sizes: the gate_up GEMM's candidates with the down GEMM fixed at the first of its
-# list, then the down GEMM's candidates with the best gate_up. The 32- and 64-row tiles are for
-# prompt chunks of a few hundred tokens, where each expert gets a few dozen rows.
+# list, then the down GEMM's candidates with the best gate_up. The 32- and 64-row tiles are the
+# candidates for prompt chunks of a few hundred tokens (a few dozen rows per expert); on an H100
+# none beat the 128-row tiles there (docs/speed.md).
 SMALL = [(16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 128, 128, 1, 4, 3),
          (16, 64, 128, 1, 8, 4), (32, 64, 128, 1, 4, 4)]
 # fp8 tiles read half the bytes: wider K steps and narrower N (more programs at batch 1).
