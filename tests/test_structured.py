@@ -203,6 +203,12 @@ def test_requests_that_cannot_be_enforced_name_the_field(so):
     with pytest.raises(InvalidParam) as err:
         so.compile(bad)
     assert err.value.param == "response_format" and "cannot be enforced" in str(err.value)
+    bogus = request_format(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}})
+    with pytest.raises(InvalidParam) as err:
+        so.compile(bogus)
+    # the schema's fault, without xgrammar's log prefix (its time and C++ source file)
+    assert str(err.value).startswith("response_format: the schema cannot be enforced: ") and "bogus" in str(err.value)
+    assert ".cc:" not in str(err.value) and "[" not in str(err.value), str(err.value)
 
 
 @pytest.mark.timeout(300)

@@ -23,6 +23,7 @@ without it ``StructuredOutputs`` raises ``UserError`` naming the extra.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable
 
 import numpy as np
@@ -239,6 +240,10 @@ def _utf8_run(state: int, data: bytes) -> int:
 
 
 # ---- compiling, and one sequence's state ---------------------------------------------------
+# xgrammar's errors begin with its log prefix, "[12:00:00] /src/x.cc:9: ": its source, not the user's schema
+_XGR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
 class StructuredOutputs:
     """The tokenizer's vocabulary as xgrammar sees it, and a caching grammar compiler.
 
@@ -276,6 +281,7 @@ class StructuredOutputs:
             return self.compiler.compile_structural_tag(tag)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors derive from these
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = _XGR_LOG_PREFIX.sub("", first)
             raise InvalidParam(param, f"{param}: the schema cannot be enforced: {first}") from None
 
     def state(self, compiled) -> "GrammarState":
