@@ -98,3 +98,18 @@ def test_the_decode_mask_is_made_only_for_the_plain_ops():
 
     meta = AttentionMetadata.from_batch(step, KernelOps(), like, 4)
     assert meta.decode_mask is None and meta.seq_lens.tolist() == [6, 10]
+
+
+def test_kv_cache_messages_count_blocks_in_english():
+    """One block is "1 block", in the start-up line and in the refusal alike."""
+    from types import SimpleNamespace
+
+    from glm_fused.errors import UserError
+    from glm_fused.kv_cache import settle
+
+    args = SimpleNamespace(block_size=16, device="cpu", max_model_len=None)
+    assert settle(args, 4096, 1, 64, "--num-gpu-blocks-override").describe().startswith(
+        "KV cache 1 block x 16 tokens = 16 tokens")
+    assert "KV cache 3 blocks x 16" in settle(args, 4096, 3, 64, "x").describe()
+    with pytest.raises(UserError, match=r"holds 16 tokens \(1 block of 16;"):
+        settle(SimpleNamespace(block_size=16, device="cpu", max_model_len=64), 4096, 1, 64, "x")
