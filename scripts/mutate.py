@@ -94,6 +94,12 @@ MUTATIONS: list[Mutation] = [
              "glm_fused/engine/scheduler.py",
              "logits_indices.append(offset + n - 1)", "logits_indices.append(offset)",
              ("tests/test_engine.py",)),
+    Mutation("prefix-cache-hashes-in-flight-token", "a block joins the prefix cache while its last token is "
+             "still in flight (hashed with what the host does not have yet)",
+             "glm_fused/engine/block_manager.py",
+             "full = min(seq.num_computed, seq.num_tokens) // self.block_size",
+             "full = seq.num_computed // self.block_size",
+             ("tests/test_engine.py::test_random_schedules_give_every_request_its_output_alone",)),
     # ---- what only precision, sharding or plumbing tests see --------------------------------
     Mutation("sampler-ignores-temperature", "the host sampler draws from softmax(logits), whatever the temperature",
              "glm_fused/engine/sampling.py",

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import math
 import queue
+import random
 import threading
 import time
 
@@ -692,6 +693,79 @@ def test_preemption_by_a_tiny_block_budget_loses_nothing_and_changes_nothing():
         stats = engine.kv_cache_stats()
         assert stats["num_preemptions"] > 0 and stats["usage"] == 0.0
         assert sum(s.num_preemptions for s in seqs) == stats["num_preemptions"]
+
+
+
+def _random_schedule(seed: int) -> tuple[list, dict, set, dict]:
+    """One random run: its requests (shared system prompts, repeats; greedy, seeded, penalised,
+    logprobs, stop tokens), a random engine (slots, token budget, a block budget down to one
+    full-length sequence, prefix caching on or off), arrivals and aborts between steps."""
+    r = random.Random(seed)
+    length, min_blocks = 64, 64 // BLOCK
+    cfg = dict(max_num_seqs=r.randint(1, 6), budget=r.choice([4, 5, 7, 8, 16, 32, 64]),
+               num_blocks=r.choice([min_blocks, min_blocks + 1, r.randint(min_blocks, 3 * min_blocks)]),
+               prefix_caching=r.random() < 0.7)
+    systems = [[r.randrange(1, VOCAB) for _ in range(r.randint(0, 24))] for _ in range(3)]
+    requests = []
+    for i in range(r.randint(3, 14)):
+        prompt = (r.choice(systems) + [r.randrange(1, VOCAB) for _ in range(r.randint(1, 16))])[:length - 2]
+        if requests and r.random() < 0.15:
+            prompt = list(r.choice(requests)[1])
+        n = r.randint(1, min(24, length - len(prompt)))
+        kind = r.random()
+        if kind < 0.55:
+            params = greedy(n)
+        elif kind < 0.75:
+            params = SamplingParams(max_tokens=n, temperature=0.8, seed=r.randrange(10**6), top_k=r.choice([0, 5]))
+        elif kind < 0.85:
+            params = SamplingParams(max_tokens=n, temperature=r.choice([0.0, 0.7]), seed=r.randrange(10**6),
+                                    repetition_penalty=1.3, frequency_penalty=0.4, logit_bias={r.randrange(VOCAB): 2.0})
+        elif kind < 0.93:
+            params = SamplingParams(max_tokens=n, temperature=0.0, logprobs=r.choice([0, 2]),
+                                    prompt_logprobs=r.choice([None, 0, 3]))
+        else:
+            params = SamplingParams(max_tokens=n, temperature=0.0, min_tokens=r.randint(0, min(2, n)),
+                                    stop_token_ids=[r.randrange(1, VOCAB) for _ in range(3)])
+        requests.append((str(i), prompt, params))
+    engine, _ = make_engine(max_model_len=length, **cfg)
+    pending, seqs, aborted = list(requests), {}, set()
+    for _ in range(5000):
+        if not (pending or engine.has_unfinished()):
+            break
+        while pending and r.random() < 0.5:
+            rid, prompt, params = pending.pop(0)
+            seqs[rid] = engine.add_request(rid, prompt, params)
+        if seqs and r.random() < 0.06:
+            rid = r.choice(list(seqs))
+            if not seqs[rid].finished:
+                engine.abort(rid)
+                aborted.add(rid)
+        engine.step()
+        assert engine.kv_cache_stats()["usage"] <= 1.0
+    assert not engine.has_unfinished(), f"seed {seed}: no progress in 5000 steps ({cfg})"
+    blocks = engine.scheduler.blocks
+    assert engine.kv_cache_stats()["usage"] == 0.0 and all(b.ref_count == 0 for b in blocks.blocks), cfg
+    assert all(blocks.blocks[i].hash == h for h, i in blocks.cached.items()), cfg
+    return requests, seqs, aborted, cfg
+
+
+@pytest.mark.parametrize("first", range(0, 240, 40))
+def test_random_schedules_give_every_request_its_output_alone(first):
+    """Whatever shares the batch, arrives, is aborted or preempted, and whatever the prefix cache
+    holds: each request's tokens, finish reason and logprobs are those of the same request run
+    alone (an aborted one's, a prefix of them); at the end every block is free and the cache's
+    keys agree with its blocks. 40 random runs per case, seeded."""
+    for seed in range(first, first + 40):
+        requests, seqs, aborted, cfg = _random_schedule(seed)
+        for rid, prompt, params in requests:
+            got, engine = seqs[rid], make_engine(max_num_seqs=1, budget=64)[0]
+            ref = engine.generate([prompt], params)[0]
+            where = (seed, rid, cfg)
+            if rid in aborted:
+                assert got.output_token_ids == ref.output_token_ids[:len(got.output_token_ids)], where
+                continue
+            assert (got.output_token_ids, got.finish_reason) == (ref.output_token_ids, ref.finish_reason), where
+            assert (got.output_logprobs, got.prompt_logprobs) == (ref.output_logprobs, ref.prompt_logprobs), where
 
 
 # ---- rules that need the host: grammar and penalties; logprobs ------------------------------
