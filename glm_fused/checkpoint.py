@@ -59,6 +59,9 @@ class Checkpoint:
                 weight_map = json.loads(index_path.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
                 raise UserError(f"{index_path}: not a valid safetensors index (no weight_map)") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise UserError(f"{index_path}: not a valid safetensors index (weight_map must map "
+                                f"tensor names to shard file names)")
             shard_names = sorted(set(weight_map.values()))
         elif (self.dir / SINGLE_FILE).exists():
             weight_map, shard_names = None, [SINGLE_FILE]

@@ -38,6 +38,10 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 _MAX_HEADER = 100 * 1024 * 1024
 
 
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def slice_shape(shape: tuple[int, ...], index: tuple) -> tuple[int, ...]:
     """The shape of ``tensor[index]`` for a tensor of ``shape`` (basic indexing), touching no data."""
     return np.broadcast_to(np.uint8(0), shape)[index].shape
@@ -62,6 +66,8 @@ class SafetensorsFile:
             raise UserError(f"{self.path}: shard file not found") from None
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise UserError(f"{self.path}: corrupt safetensors header (not JSON)") from None
+        if not isinstance(header, dict):
+            raise UserError(f"{self.path}: corrupt safetensors header (not a JSON object)")
         header.pop("__metadata__", None)
         self._data_start = 8 + n
         self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
@@ -71,10 +77,13 @@ class SafetensorsFile:
                 dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise UserError(f"{self.path}: corrupt header entry for tensor {name!r}") from None
-            if dtype not in RAW_DTYPES:
+            if not all(_is_count(v) for v in (*shape, begin, end)):
+                raise UserError(f"{self.path}: corrupt header entry for tensor {name!r} (shape and data_offsets "
+                                f"must be non-negative integers)")
+            if not isinstance(dtype, str) or dtype not in RAW_DTYPES:
                 raise UserError(f"{self.path}: tensor {name!r} has dtype {dtype}, which is not supported")
             nbytes = math.prod(shape) * np.dtype(RAW_DTYPES[dtype]).itemsize
-            if end - begin != nbytes or begin < 0:
+            if end - begin != nbytes:
                 raise UserError(f"{self.path}: corrupt header entry for tensor {name!r} (size mismatch)")
             if end > data_size:
                 raise UserError(f"{self.path}: file is truncated (tensor {name!r} ends at byte "

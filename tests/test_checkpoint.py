@@ -229,6 +229,44 @@ def test_garbage_header(hf, tmp_path):
         _load_all(d)
 
 
+
+def _edit_header(shard, fn):
+    """Rewrite a shard's JSON header with ``fn(header)`` applied; the data stays as it was."""
+    data = shard.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = fn(json.loads(data[8:8 + n]))
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    shard.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+
+
+def _first_tensor(header):
+    return next(k for k in header if k != "__metadata__")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: [h], r"corrupt safetensors header \(not a JSON object\)"),
+    (lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "data_offsets": [0, "x"]}},
+     r"corrupt header entry for tensor '.*' \(shape and data_offsets must be non-negative integers\)"),
+    (lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "shape": ["a"]}}, r"must be non-negative integers"),
+    (lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "shape": [-4, 8]}}, r"must be non-negative integers"),
+    (lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "dtype": 7}}, r"has dtype 7, which is not supported"),
+])
+def test_malformed_header_entries_are_one_line(hf, tmp_path, edit, message):
+    d = _copy(hf, tmp_path)
+    shard = sorted(d.glob("*.safetensors"))[0]
+    _edit_header(shard, edit)
+    with pytest.raises(UserError, match=rf"{shard.name}: .*{message}"):
+        _load_all(d)
+
+
+@pytest.mark.parametrize("weight_map", [5, [], {"model.norm.weight": 3}])
+def test_an_index_whose_weight_map_is_not_names_to_files(hf, tmp_path, weight_map):
+    d = _copy(hf, tmp_path)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(UserError, match=r"index.json: not a valid safetensors index \(weight_map must map"):
+        _load_all(d)
+
 def test_pickle_only_directory_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(UserError, match="pickles are never loaded"):
