@@ -8,6 +8,7 @@ transformers 5.x (``rope_parameters: {rope_theta, partial_rotary_factor, rope_ty
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -16,6 +17,32 @@ from glm_fused.errors import UserError
 # Models this code computes; anything else is refused by name rather than run wrongly.
 SUPPORTED_MODEL_TYPES = ("glm4_moe",)
 SUPPORTED_ROPE_TYPES = ("default", None)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON's true is not a size
+
+
+def _is_real(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+# (fields, test, what the message says they must be): config.json is the user's file, so a
+# value of the wrong kind is named here rather than failing later inside the model.
+_FIELD_KINDS = (
+    (("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+      "num_attention_heads", "num_key_value_heads", "head_dim", "n_routed_experts", "num_experts_per_tok",
+      "n_group", "topk_group", "max_position_embeddings"),
+     lambda v: _is_int(v) and v > 0, "a positive integer"),
+    (("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"),
+     lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    (("pad_token_id",), lambda v: v is None or (_is_int(v) and v >= 0), "a token id or null"),
+    (("rope_theta", "rms_norm_eps", "routed_scaling_factor"), lambda v: _is_real(v) and v > 0,
+     "a positive number"),
+    (("partial_rotary_factor",), _is_real, "a number"),
+    (("norm_topk_prob", "use_qk_norm", "attention_bias", "tie_word_embeddings"),
+     lambda v: isinstance(v, bool) or (_is_int(v) and v in (0, 1)), "true or false"),
+)
 
 
 @dataclass
@@ -103,7 +130,7 @@ class Glm4MoeConfig:
             values["head_dim"] = values.get("hidden_size", cls.hidden_size) // values.get(
                 "num_attention_heads", cls.num_attention_heads)
         eos = values.get("eos_token_id")
-        values["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        values["eos_token_id"] = [] if eos is None else [eos] if _is_int(eos) else eos  # _check: a list of ids
         if values.get("hidden_act", "silu") != "silu":
             raise UserError(f"{source}: hidden_act {values['hidden_act']!r} is not supported (expected 'silu')")
         known = {f.name for f in fields(cls)}
@@ -151,11 +178,13 @@ class Glm4MoeConfig:
         def bad(name: str, why: str) -> UserError:
             return UserError(f"{source}: {name}={getattr(self, name)!r} {why}")
 
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise bad(name, "must be a positive integer")
+        # Types first: every check after these, and the model, compute with the values.
+        for names, ok, what in _FIELD_KINDS:
+            for name in names:
+                if not ok(getattr(self, name)):
+                    raise bad(name, f"must be {what}")
+        if not isinstance(self.eos_token_id, list) or not all(_is_int(t) and t >= 0 for t in self.eos_token_id):
+            raise UserError(f"{source}: eos_token_id={self.eos_token_id!r} must be a token id or a list of them")
         if self.num_attention_heads % self.num_key_value_heads:
             raise bad("num_attention_heads", f"is not a multiple of num_key_value_heads={self.num_key_value_heads}")
         if self.n_routed_experts % self.n_group:

@@ -76,6 +76,20 @@ def test_impossible_tp_names_the_value(tp, field):
     ({"topk_group": 3}, "topk_group"),
     ({"rope_scaling": {"type": "yarn"}}, "rope_scaling"),
     ({"hidden_size": -4}, "hidden_size"),
+    # values of the wrong kind: named here, not a TypeError inside the model
+    ({"hidden_size": True}, "hidden_size=True must be a positive integer"),
+    ({"max_position_embeddings": 2.5}, "max_position_embeddings=2.5 must be a positive integer"),
+    ({"max_position_embeddings": None}, "max_position_embeddings=None must be a positive integer"),
+    ({"n_shared_experts": -3}, "n_shared_experts=-3 must be a non-negative integer"),
+    ({"first_k_dense_replace": "1"}, "first_k_dense_replace='1' must be a non-negative integer"),
+    ({"rope_parameters": {"rope_theta": "big"}}, "rope_theta='big' must be a positive number"),
+    ({"rms_norm_eps": None}, "rms_norm_eps=None must be a positive number"),
+    ({"routed_scaling_factor": [1.0]}, r"routed_scaling_factor=\[1.0\] must be a positive number"),
+    ({"rope_parameters": {"partial_rotary_factor": None}}, "partial_rotary_factor=None must be a number"),
+    ({"use_qk_norm": "yes"}, "use_qk_norm='yes' must be true or false"),
+    ({"pad_token_id": -1}, "pad_token_id=-1 must be a token id or null"),
+    ({"eos_token_id": {}}, r"eos_token_id=\{\} must be a token id or a list of them"),
+    ({"eos_token_id": [1, True]}, "eos_token_id=.* must be a token id or a list of them"),
 ])
 def test_bad_config_values_are_named(tmp_path, change, field):
     raw = json.loads(AIR.read_text())
@@ -91,3 +105,12 @@ def test_unreadable_config_names_the_file(tmp_path):
         Glm4MoeConfig.from_pretrained(tmp_path)
     with pytest.raises(UserError, match="not found"):
         Glm4MoeConfig.from_pretrained(tmp_path / "nowhere")
+
+
+def test_a_rope_table_too_large_for_memory_is_one_line(tmp_path):
+    """max_position_embeddings sizes the RoPE table unless --max-model-len is given; a value far
+    beyond any context is refused by name, not as an allocator error blamed on the weights."""
+    from glm_fused.backends import get_backend
+
+    with pytest.raises(UserError, match=r"RoPE table for 1000000000000 positions .* --max-model-len"):
+        get_backend("torch").LAYERS.RotaryEmbedding(128, 64, 10**12, 10_000.0)

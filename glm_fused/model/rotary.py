@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from glm_fused.errors import UserError
 from glm_fused.model.module import Module
 
 
@@ -19,10 +20,15 @@ class RotaryEmbedding(Module):
         # Same fp32 arithmetic as transformers: inv_freq, then position * inv_freq, then cos/sin.
         exponent = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
         inv_freq = np.float32(1.0) / (np.float32(base) ** exponent)
-        freqs = np.arange(max_position, dtype=np.float32)[:, None] * inv_freq[None, :]
+        try:
+            freqs = np.arange(max_position, dtype=np.float32)[:, None] * inv_freq[None, :]
+            cos, sin = np.cos(freqs), np.sin(freqs)
+        except (MemoryError, ValueError):  # a config.json limit far beyond any context served
+            raise UserError(f"a RoPE table for {max_position} positions (max_position_embeddings, or "
+                            f"--max-model-len) does not fit in host memory: pass a smaller --max-model-len") from None
         # [max_position, rotary_dim/2]; buffers, not parameters: the loader never sees them.
-        self.F.buffer(self, "cos_cache", np.cos(freqs))
-        self.F.buffer(self, "sin_cache", np.sin(freqs))
+        self.F.buffer(self, "cos_cache", cos)
+        self.F.buffer(self, "sin_cache", sin)
 
     def forward(self, positions, q, k):
         """``q [T, heads, head_dim]``, ``k [T, kv_heads, head_dim]`` rotated at ``positions [T]``."""
