@@ -217,8 +217,8 @@ class EngineArgs:
             raise UserError(f"--block-size {self.block_size}: choose a power of two up to {BLOCK_SIZES[-1]}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise UserError(f"--gpu-memory-utilization {self.gpu_memory_utilization:g}: must be in (0, 1]")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise UserError(f"--num-gpu-blocks-override {self.num_gpu_blocks_override}: must be at least 1")
+        if self.num_gpu_blocks_override is not None and not 1 <= self.num_gpu_blocks_override < 2**31:
+            raise UserError(f"--num-gpu-blocks-override {self.num_gpu_blocks_override}: must be in 1..{2**31 - 1}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise UserError(f"--max-num-batched-tokens {self.max_num_batched_tokens}: must be at least "
                             f"--max-num-seqs {self.max_num_seqs} (every running sequence decodes each step)")

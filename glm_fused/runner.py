@@ -83,7 +83,8 @@ def weights_do_not_fit(config: Glm4MoeConfig, args: EngineArgs, tp_size: int, me
     fp8 = scheme_for(config, args.quantization) is not None  # routed experts in one byte a weight
     per_rank = (experts * (1 if fp8 else width) + others * width) / tp_size
     had = f"; the GPU had {memory[0] / GiB:.1f} of {memory[1] / GiB:.1f} GiB free" if memory else ""
-    return UserError(f"out of GPU memory loading the weights: {(experts + others) / 1e9:.1f}B parameters take about "
+    return UserError(f"out of {'GPU ' if memory else ''}memory loading the weights: {(experts + others) / 1e9:.1f}B "
+                     f"parameters take about "
                      f"{per_rank / GiB:.1f} GiB per rank at --tp {tp_size} ({'fp8 experts, ' if fp8 else ''}"
                      f"{args.dtype}){had}: use more --tp ranks" + ("" if fp8 else " or --quantization fp8"))
 
@@ -138,7 +139,14 @@ class ModelRunner:
         # After the workspace (the profiled forward uses it), before the graphs (they point into the cache).
         self.kv = self._size_kv_cache()
         args.max_model_len, args.num_kv_blocks = self.kv.max_model_len, self.kv.num_blocks
-        self.kv_caches = self.model.make_kv_caches(self.kv.num_blocks, args.block_size)
+        try:
+            self.kv_caches = self.model.make_kv_caches(self.kv.num_blocks, args.block_size)
+        except Exception as exc:  # noqa: BLE001 - as for the weights: only the allocator's "out of memory"
+            if not F.is_out_of_memory(exc):
+                raise
+            kv = self.kv
+            raise UserError(f"out of memory allocating the KV cache: {kv.num_blocks} blocks x {kv.block_size} tokens "
+                            f"take {kv.bytes / 2**30:.1f} GiB per rank ({kv.source})") from None
         # The token each sequence (its row: Sequence.row) sampled last, on the device: a later
         # step's input id -1 reads it, so the engine can schedule a step before the last one's
         # tokens reach the host.

@@ -239,6 +239,8 @@ def test_broken_checkpoint_is_one_line(tiny, tmp_path, how):
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization 0: must be in (0, 1]"),
     (["--block-size", "24"], "--block-size 24"),
     (["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override 0"),
+    (["--num-gpu-blocks-override", str(2**64)], f"--num-gpu-blocks-override {2**64}: must be in 1..{2**31 - 1}"),
+    (["--top-k", str(2**63), "--temperature", "0.8"], "--top-k: top_k must be a positive 64-bit integer"),
 ])
 def test_impossible_flags_are_named(argv, flag):
     proc = run_script("generate.py", "--prompt", "hi", *argv, timeout=60)
@@ -288,11 +290,38 @@ def test_weights_that_run_the_gpu_out_of_memory_are_one_line(monkeypatch):
     with pytest.raises(UserError) as info:
         R.ModelRunner(settings, settings.config(), tp_rank=0, tp_size=1)
     message = str(info.value)
-    assert "\n" not in message and message.startswith("out of GPU memory loading the weights")
+    assert "\n" not in message and message.startswith("out of memory loading the weights")  # no GPU here
     assert "--tp 1" in message and "--quantization fp8" in message
     experts, others = settings.config().num_parameters()
     assert f"{(experts + others) * 4 / 2**30:.1f} GiB per rank" in message  # float32
+    on_gpu = str(R.weights_do_not_fit(settings.config(), settings, 1, (10 * 2**30, 80 * 2**30)))
+    assert on_gpu.startswith("out of GPU memory loading the weights") and "10.0 of 80.0 GiB free" in on_gpu
     monkeypatch.setattr(R, "dummy_weights", lambda model, seed: 1 / 0)  # any other failure stays itself
     with pytest.raises(ZeroDivisionError):
         R.ModelRunner(settings, settings.config(), tp_rank=0, tp_size=1)
     PreprocessPool({"model_name": "m", "vocab_size": 8}, workers=2).close()  # never started
+
+
+@pytest.mark.parametrize("backend", ["torch", "paddle"])
+def test_a_kv_cache_that_runs_out_of_memory_is_one_line(monkeypatch, backend):
+    """As for the weights: the allocator running out while the KV cache is made is said in one
+    line with the block count, its bytes per rank and what decided them. (Planted: allocating
+    the real thing could wake the OOM killer on a machine that overcommits.)"""
+    from glm_fused import runner as R
+    from glm_fused.backends import get_backend
+    from glm_fused.engine_args import EngineArgs
+    from glm_fused.errors import UserError
+
+    def no_memory(self, num_blocks, block_size):
+        if backend == "torch":  # torch's CPU allocator: a RuntimeError, recognised by its text
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                               "allocate memory: you tried to allocate 819200000000 bytes.")
+        raise MemoryError("(ResourceExhausted) Fail to alloc memory of 819200000000 size")
+
+    monkeypatch.setattr(get_backend(backend).LAYERS.Glm4MoeForCausalLM, "make_kv_caches", no_memory)
+    settings = EngineArgs(model="glm-4.5-air-tiny", load_format="dummy", backend=backend, device="cpu",
+                          dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
+                          num_gpu_blocks_override=32).resolve()
+    with pytest.raises(UserError, match=r"^out of memory allocating the KV cache: 32 blocks x 16 tokens take "
+                                        r"\d+\.\d GiB per rank \(--num-gpu-blocks-override\)$"):
+        R.ModelRunner(settings, settings.config(), tp_rank=0, tp_size=1)

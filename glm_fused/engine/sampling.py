@@ -93,9 +93,9 @@ class SamplingParams:
             raise InvalidParam("temperature", f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidParam("top_k", f"top_k must be a positive integer, or 0 or -1 for the whole vocabulary, "
-                                        f"got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**63:  # the samplers hold it in int64
+            raise InvalidParam("top_k", f"top_k must be a positive 64-bit integer, or 0 or -1 for the whole "
+                                        f"vocabulary, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidParam("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):

@@ -466,7 +466,9 @@ class TorchOps(Ops):
             return DecodeGraphs(model, kv_caches, max_num_seqs, max_blocks_per_seq, next_tokens)
 
     def is_out_of_memory(self, exc: BaseException) -> bool:
-        return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+        # torch's CPU allocator raises a plain RuntimeError when malloc fails
+        return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+            isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc))
 
     def memory_info(self, device):
         if torch.device(device).type != "cuda":
