@@ -35,6 +35,8 @@ def test_vllm_style_flags_are_checked_before_any_rank_starts(capsys, tmp_path):
     assert "--revision" in refused(["glm-4.5-air-tiny", "--revision", "main"], capsys)
     assert "--seed" in refused(["--seed", "-1"], capsys)
     assert "--max-logprobs" in refused(["--max-logprobs", "-1"], capsys)
+    assert "--preprocess-workers -1: must be in 0.." in refused(["--preprocess-workers", "-1"], capsys)
+    assert "(the CPUs this process may use)" in refused(["--preprocess-workers", "65536"], capsys)
     with pytest.raises(SystemExit):
         serve.build_parser().parse_args(["--tool-call-parser", "hermes"])  # only GLM's formats
     args = serve.build_parser().parse_args(["glm-4.5-air-tiny", "-tp", "2", "--seed", "7"])

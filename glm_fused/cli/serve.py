@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import socket
@@ -114,8 +115,11 @@ def check_server_flags(args: argparse.Namespace) -> None:
     if args.max_request_body_bytes < 1024:
         raise UserError(f"--max-request-body-bytes {args.max_request_body_bytes}: at least 1K, "
                         "or no request would fit")
-    if args.preprocess_workers < 0:
-        raise UserError(f"--preprocess-workers {args.preprocess_workers}: must be 0 or more")
+    cpus = max(DEFAULT_PREPROCESS_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else os.cpu_count() or 1)
+    if not 0 <= args.preprocess_workers <= cpus:  # each is a process; more than the CPUs only take turns
+        raise UserError(f"--preprocess-workers {args.preprocess_workers}: must be in 0..{cpus} "
+                        f"(the CPUs this process may use)")
     if not args.watchdog_timeout > 0:
         raise UserError(f"--watchdog-timeout {args.watchdog_timeout:g}: must be positive")
     if not args.dist_timeout > args.watchdog_timeout:
