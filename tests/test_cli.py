@@ -260,6 +260,26 @@ def test_logit_diff_refuses_to_overwrite_its_input(tmp_path):
     assert proc.returncode == 2 and "99999" in proc.stderr and str(ids) in proc.stderr
 
 
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv,message", [
+    (["--tolerance", "-1"], "--tolerance -1.0: must be 0 or more"),
+    (["--tolerance", "nan"], "--tolerance nan: must be 0 or more"),
+    (["--min-top1", "3"], "--min-top1 3.0: must be in [0, 1]"),
+    (["--prompt-ids", "DIR"], "cannot read it (Is a directory)"),
+    (["--prompts", "DIR"], "cannot read it (Is a directory)"),
+    (["--prompts", "LATIN1"], "not UTF-8 text"),
+])
+def test_logit_diff_usage_errors_before_any_rank(tmp_path, argv, message):
+    """A threshold no run could meet, or an input that is not a readable text file, is a usage
+    error (exit 2, one line) found before the ranks start, not a FAIL after the whole run."""
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    argv = [{"DIR": tmp_path, "LATIN1": tmp_path / "latin1.txt"}.get(a, a) for a in argv]
+    proc = run_script("logit_diff.py", "--backend", "torch", *argv, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last and proc.elapsed < 30
+
 @pytest.mark.timeout(120)
 def test_kv_cache_too_small_for_one_full_length_sequence_is_one_line():
     """Found once the ranks have sized their caches: every rank refuses alike, said once."""

@@ -84,6 +84,8 @@ def _load_prompts(args, spec, config) -> list[list[int]]:
             raise UserError(f"--prompt-ids {args.prompt_ids}: file not found") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise UserError(f"--prompt-ids {args.prompt_ids}: not valid JSON ({exc})") from None
+        except OSError as exc:  # a directory, no permission
+            raise UserError(f"--prompt-ids {args.prompt_ids}: cannot read it ({exc.strerror or exc})") from None
         ok = isinstance(raw, list) and raw and all(
             isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
             for p in raw)
@@ -98,6 +100,10 @@ def _load_prompts(args, spec, config) -> list[list[int]]:
                 lines = Path(args.prompts).read_text().splitlines()
             except FileNotFoundError:
                 raise UserError(f"--prompts {args.prompts}: file not found") from None
+            except UnicodeDecodeError:
+                raise UserError(f"--prompts {args.prompts}: not UTF-8 text") from None
+            except OSError as exc:
+                raise UserError(f"--prompts {args.prompts}: cannot read it ({exc.strerror or exc})") from None
             texts = [line for line in lines if line.strip()]
             if not texts:
                 raise UserError(f"--prompts {args.prompts}: no prompts (one per line)")
@@ -155,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
         if not args.max_error_ratio > 0:
             raise UserError(f"--max-error-ratio {args.max_error_ratio}: must be positive")
+        if args.tolerance is not None and not args.tolerance >= 0:
+            raise UserError(f"--tolerance {args.tolerance}: must be 0 or more")
+        if args.min_top1 is not None and not 0 <= args.min_top1 <= 1:
+            raise UserError(f"--min-top1 {args.min_top1}: must be in [0, 1] (a fraction of positions)")
         _check_outputs(args)
         spec = resolve_model(args.model, load_format=args.load_format)
         config = Glm4MoeConfig.from_json_file(args.config_path)
