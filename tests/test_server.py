@@ -368,6 +368,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
         (dict(max_tokens=10_000), 400, "max_tokens"),
         (dict(prompt="word " * 400), 400, "prompt"),
         (dict(prompt=[5, 10**6]), 400, "prompt"),
+        (dict(prompt=[-1], echo=True, logprobs=1), 400, "prompt"),  # checked before it is echoed as text
         (dict(extra_body={"logprobs": 21}), 400, "logprobs"),  # over --max-logprobs (20)
     ]
     before = metric(server, "request_errors_total", missing=0.0, status="400")
@@ -377,7 +378,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
             client.completions.create(**args)
         assert info.value.status_code == status, (kwargs, info.value.body)
         assert info.value.body["param"] == param and info.value.body["message"], info.value.body
-    assert metric(server, "request_errors_total", status="400") - before == 8
+    assert metric(server, "request_errors_total", status="400") - before == 9
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
     assert info.value.body["param"].startswith("messages")

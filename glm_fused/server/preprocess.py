@@ -166,14 +166,15 @@ class RequestPreprocessor:
             else:
                 ids = prompt
             ids_list.append(ids)
-            texts.append(prompt if isinstance(prompt, str) else
-                         self.tokenizer.decode(prompt, skip_special_tokens=False) if req.echo and self.tokenizer
-                         else "")
+            texts.append(prompt if isinstance(prompt, str) else None)
         params = req.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS, logprobs=logprobs,
                                      prompt_logprobs=logprobs if req.echo else None)
         for i, ids in enumerate(ids_list):  # each prompt's ids become one int64 array here
             ids_list[i] = self._check_fits(ids, params, "prompt" if single else f"prompt.{i}",
                                            req.max_tokens is not None)
+        # echoed token-id prompts as text: only once their ids are known to be in the vocabulary
+        texts = [t if t is not None else self.tokenizer.decode(ids_list[i].tolist(), skip_special_tokens=False)
+                 if req.echo and self.tokenizer else "" for i, t in enumerate(texts)]
         if req.max_tokens is None:
             params.max_tokens = max(1, min(params.max_tokens, self.max_model_len - max(map(len, ids_list))))
             params.min_tokens = min(params.min_tokens, params.max_tokens)
