@@ -47,7 +47,7 @@ class KVCacheSize:
         return self.num_blocks * self.block_bytes
 
     def describe(self) -> str:
-        return (f"KV cache {_blocks(self.num_blocks)} x {self.block_size} tokens = {self.num_tokens} tokens, "
+        return (f"KV cache {blocks_text(self.num_blocks)} x {self.block_size} tokens = {self.num_tokens} tokens, "
                 f"{self.bytes / 2**20:.1f} MiB per rank ({self.source}); "
                 f"max-model-len {self.max_model_len} ({self.limit_note})")
 
@@ -92,7 +92,8 @@ def count_blocks(args, limit: int, block_bytes: int, gpu_bytes: int | None) -> t
     return cap, f"CPU: at most {CPU_KV_CACHE_BYTES // GiB} GiB per rank"
 
 
-def _blocks(n: int) -> str:
+def blocks_text(n: int) -> str:
+    """The count with its noun, for messages: "1 block", "2 blocks"."""
     return f"{n} block" if n == 1 else f"{n} blocks"
 
 
@@ -106,11 +107,11 @@ def settle(args, limit: int, num_blocks: int, block_bytes: int, source: str) -> 
     if args.max_model_len is not None:
         if capacity < args.max_model_len:
             raise UserError(f"--max-model-len {args.max_model_len}: the KV cache holds {capacity} tokens "
-                            f"({_blocks(num_blocks)} of {bs}; {source}), not one sequence of that length "
+                            f"({blocks_text(num_blocks)} of {bs}; {source}), not one sequence of that length "
                             f"(lower --max-model-len, or {hint})")
         return KVCacheSize(num_blocks, bs, block_bytes, args.max_model_len, source, "--max-model-len")
     if capacity < 2:
-        raise UserError(f"not enough memory for a KV cache: {_blocks(num_blocks)} of {bs} tokens ({source}); {hint}")
+        raise UserError(f"not enough memory for a KV cache: {blocks_text(num_blocks)} of {bs} tokens ({source}); {hint}")
     if capacity >= limit:
         return KVCacheSize(num_blocks, bs, block_bytes, limit, source, "the model's limit")
     return KVCacheSize(num_blocks, bs, block_bytes, capacity, source,

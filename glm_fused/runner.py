@@ -145,8 +145,8 @@ class ModelRunner:
             if not F.is_out_of_memory(exc):
                 raise
             kv = self.kv
-            raise UserError(f"out of memory allocating the KV cache: {kv.num_blocks} blocks x {kv.block_size} tokens "
-                            f"take {kv.bytes / 2**30:.1f} GiB per rank ({kv.source})") from None
+            raise UserError(f"out of memory allocating the KV cache: {kv_cache.blocks_text(kv.num_blocks)} x "
+                            f"{kv.block_size} tokens take {kv.bytes / GiB:.1f} GiB per rank ({kv.source})") from None
         # The token each sequence (its row: Sequence.row) sampled last, on the device: a later
         # step's input id -1 reads it, so the engine can schedule a step before the last one's
         # tokens reach the host.
