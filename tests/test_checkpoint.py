@@ -229,7 +229,6 @@ def test_garbage_header(hf, tmp_path):
         _load_all(d)
 
 
-
 def _edit_header(shard, fn):
     """Rewrite a shard's JSON header with ``fn(header)`` applied; the data stays as it was."""
     data = shard.read_bytes()
@@ -266,6 +265,7 @@ def test_an_index_whose_weight_map_is_not_names_to_files(hf, tmp_path, weight_ma
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(UserError, match=r"index.json: not a valid safetensors index \(weight_map must map"):
         _load_all(d)
+
 
 def test_pickle_only_directory_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")

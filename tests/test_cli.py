@@ -260,7 +260,6 @@ def test_logit_diff_refuses_to_overwrite_its_input(tmp_path):
     assert proc.returncode == 2 and "99999" in proc.stderr and str(ids) in proc.stderr
 
 
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("argv,message", [
     (["--tolerance", "-1"], "--tolerance -1.0: must be 0 or more"),
@@ -279,6 +278,7 @@ def test_logit_diff_usage_errors_before_any_rank(tmp_path, argv, message):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last and proc.elapsed < 30
+
 
 @pytest.mark.timeout(120)
 def test_kv_cache_too_small_for_one_full_length_sequence_is_one_line():

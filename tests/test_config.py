@@ -107,7 +107,7 @@ def test_unreadable_config_names_the_file(tmp_path):
         Glm4MoeConfig.from_pretrained(tmp_path / "nowhere")
 
 
-def test_a_rope_table_too_large_for_memory_is_one_line(tmp_path):
+def test_a_rope_table_too_large_for_memory_is_one_line():
     """max_position_embeddings sizes the RoPE table unless --max-model-len is given; a value far
     beyond any context is refused by name, not as an allocator error blamed on the weights."""
     from glm_fused.backends import get_backend

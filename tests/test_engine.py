@@ -695,7 +695,6 @@ def test_preemption_by_a_tiny_block_budget_loses_nothing_and_changes_nothing():
         assert sum(s.num_preemptions for s in seqs) == stats["num_preemptions"]
 
 
-
 def _random_schedule(seed: int) -> tuple[list, dict, set, dict]:
     """One random run: its requests (shared system prompts, repeats; greedy, seeded, penalised,
     logprobs, stop tokens), a random engine (slots, token budget, a block budget down to one
