@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from glm_fused.errors import UserError
+from glm_fused.model_path import resolve_model
 
 # Models this code computes; anything else is refused by name rather than run wrongly.
 SUPPORTED_MODEL_TYPES = ("glm4_moe",)
@@ -152,8 +153,13 @@ class Glm4MoeConfig:
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "Glm4MoeConfig":
-        return cls.from_json_file(Path(model_dir) / "config.json")
+    def from_pretrained(cls, model: str | Path, *, revision: str | None = None) -> "Glm4MoeConfig":
+        """The config of what ``--model`` names: a checkpoint directory, the tiny default, or a
+        Hugging Face name (its local cache entry, else the config shipped for GLM-4.5's models)."""
+        where = Path(model).expanduser()
+        if isinstance(model, Path) or where.is_dir():
+            return cls.from_json_file(where / "config.json")
+        return cls.from_json_file(resolve_model(str(model), load_format="dummy", revision=revision).config_path)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -28,6 +28,26 @@ def test_glm45_sibling_config():
     assert c.n_routed_experts == 160 and not c.is_moe_layer(2) and c.is_moe_layer(3)
 
 
+def test_from_pretrained_takes_what_model_takes(tmp_path, monkeypatch):
+    """The tiny default and Hugging Face names, as the model's ``from_pretrained`` and
+    ``--model`` take them: a cached snapshot first, else the config shipped for a GLM model."""
+    from glm_fused.tiny import ensure_tiny_checkpoint
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    tiny = Glm4MoeConfig.from_pretrained("glm-4.5-air-tiny")
+    assert tiny == Glm4MoeConfig.from_pretrained(ensure_tiny_checkpoint()) and tiny.hidden_size == 128
+    assert Glm4MoeConfig.from_pretrained("GLM-4.5-Air") == Glm4MoeConfig.from_json_file(AIR)
+    assert Glm4MoeConfig.from_pretrained("zai-org/GLM-4.5") == Glm4MoeConfig.from_json_file(BIG)
+    snapshot = tmp_path / "hub" / "models--zai-org--GLM-4.5-Air" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "models--zai-org--GLM-4.5-Air" / "refs").mkdir()
+    (tmp_path / "hub" / "models--zai-org--GLM-4.5-Air" / "refs" / "main").write_text("abc")
+    (snapshot / "config.json").write_text(json.dumps({**json.loads(AIR.read_text()), "num_hidden_layers": 3}))
+    assert Glm4MoeConfig.from_pretrained("zai-org/GLM-4.5-Air").num_hidden_layers == 3
+    with pytest.raises(UserError, match="someorg/Model"):
+        Glm4MoeConfig.from_pretrained("someorg/Model")
+
+
 def test_transformers5_form_equals_transformers4_form(tmp_path):
     raw = json.loads(AIR.read_text())
     v5 = {k: v for k, v in raw.items() if k not in ("rope_theta", "partial_rotary_factor", "torch_dtype")}
