@@ -83,7 +83,7 @@ def run_python(code: str, timeout: float) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(120)
 def test_model_class_example():
-    out = run_python(block_with("python", "from_pretrained"), timeout=100).stdout
+    out = run_python(block_with("python", "tp_rank=0, tp_size=1"), timeout=100).stdout
     assert re.fullmatch(r".*\[1, 4, 1024\]\)? 4\n", out, re.S), out  # [batch, seq, vocab], 4 layers
 
 
@@ -125,3 +125,31 @@ def test_openai_client_example(quick_start):
     out = run_python(code.replace("http://127.0.0.1:8000/v1", f"{quick_start.url}/v1"), timeout=200).stdout
     arguments = json.loads(out.splitlines()[-1])  # the forced tool call's arguments, valid JSON
     assert set(arguments) == {"city"} and len(arguments["city"]) <= 16, arguments
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("framework", ["torch", "paddle"])
+def test_tensor_parallel_example(tmp_path, framework):
+    """The model class at TP 4 under each framework's own launcher, as the README starts it."""
+    import os
+    import uuid
+
+    from test_cli import _processes_with
+
+    code = block_with("python", "tp_logits.py")
+    launchers = dict(re.findall(r"(torchrun|paddle\.distributed\.launch) ([^,)\n]*tp_logits\.py)", code))
+    if framework == "torch":
+        argv = [sys.executable, "-m", "torch.distributed.run", *launchers["torchrun"].split()]
+    else:
+        argv = [sys.executable, "-m", "paddle.distributed.launch", *launchers["paddle.distributed.launch"].split()]
+        code = code.replace("from glm_fused.torch_backend import", "from glm_fused import")  # as the comment says
+    (tmp_path / "tp_logits.py").write_text(code)
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               GLM_FUSED_TEST_MARKER=marker)
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert re.search(r"^\(1, 4, 1024\)$", proc.stdout, re.M), proc.stdout[-3000:]  # exit 0: every rank ran it
+    assert not _processes_with(marker)
