@@ -87,9 +87,20 @@ class TPCommBase:
 
     @classmethod
     def from_env(cls, tp_rank: int, tp_size: int) -> "TPCommBase":
-        """Join the group if needed (``tp_size > 1``), then this rank's handle."""
+        """Join the global group if needed (``tp_size > 1``), then this rank's handle: tensor
+        parallelism over every rank of the job (``comm=`` a handle of your own for a subgroup)."""
         if tp_size > 1:
             cls.join()
+            world = cls.dist.get_world_size() if cls.dist.is_initialized() else 1
+            rank = cls.dist.get_rank() if world > 1 else 0
+            if (rank, world) != (tp_rank, tp_size):
+                # checked here: a group of another size would sum other ranks' partials (wrong
+                # logits), or fail later inside a collective with a message about tensor lists
+                raise ValueError(
+                    f"tp_rank={tp_rank}, tp_size={tp_size}, but this process is rank {rank} of {world}: start "
+                    f"one process per rank (torchrun --nproc-per-node {tp_size}, or python -m "
+                    f"paddle.distributed.launch --nproc_per_node {tp_size}) and pass each its rank "
+                    "(glm_fused.launcher.current_rank()), or pass comm= for a group of your own")
         return cls(tp_rank, tp_size)
 
     def all_reduce(self, x):

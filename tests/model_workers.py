@@ -228,6 +228,13 @@ def _extras(args: dict, backend, rank: int, world: int, common: dict, log: list[
                          "vs_hf_2d": rel_err(batch_logits, np.stack([hf0[:7], hf1])),
                          "vs_hf_1d": rel_err(seq_logits, hf1)}
 
+    # A tp_size other than the job's size is refused by name, before any collective.
+    try:
+        backend.Glm4MoeForCausalLM(model.config, tp_rank=rank % 2, tp_size=4 if world == 2 else 2)
+        out["wrong_tp_size"] = None
+    except ValueError as exc:
+        out["wrong_tp_size"] = str(exc)
+
     # Dummy weights: deterministic, and the replicated router is the same on every rank.
     dummy = []
     for _ in range(2):

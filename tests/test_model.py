@@ -304,6 +304,8 @@ def test_forced_kernel_standalone_model_dummy_weights(tp_run, framework, tp):
         assert r["dummy"]["router_digest"] == first["dummy"]["router_digest"]  # replicated router
         assert r["dummy"]["weight_digest"] != first["dummy"]["weight_digest"]  # each rank its own slice
     assert all(r["broadcast"] == [0, 7, 14, 21, 28, 35] for r in ranks)
+    for rank, r in enumerate(ranks):
+        assert f"this process is rank {rank} of {tp}: start one process per rank" in (r["wrong_tp_size"] or ""), r
 
 
 @pytest.mark.timeout(600)
@@ -353,6 +355,14 @@ def test_from_pretrained_takes_the_tiny_name():
     cls = _model_class("torch")
     model = cls.from_pretrained("glm-4.5-air-tiny")
     assert model.config.num_hidden_layers == 4 and torch.isfinite(model([1, 2, 3])).all()
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_tensor_parallel_without_a_job_says_how_to_start_one(framework):
+    cls = _model_class(framework)
+    with pytest.raises(ValueError, match=r"tp_size=2, but this process is rank 0 of 1: start one process per rank "
+                                         r"\(torchrun --nproc-per-node 2"):
+        cls.from_pretrained("glm-4.5-air-tiny", tp_rank=1, tp_size=2)
 
 
 def test_the_written_once_classes_are_not_for_direct_use():
