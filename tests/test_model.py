@@ -358,6 +358,28 @@ def test_from_pretrained_takes_the_tiny_name():
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_plain_call_refuses_what_is_not_token_ids(framework):
+    """model(input_ids) names what is wrong with its input; before, a negative id ran silently
+    in Paddle, and an id past the vocabulary was a framework's index error (at TP > 1 it would be
+    a row of zeros)."""
+    model = _model_class(framework).from_pretrained("glm-4.5-air-tiny")
+    for bad, error, message in [
+        ([[-1, 2]], ValueError, r"token id -1 is outside the vocabulary \(0..1023\)"),
+        ([[3, 1024]], ValueError, r"token id 1024 is outside the vocabulary"),
+        (np.array([[1.5, 2.0]]), ValueError, "must be integer token ids, got float64"),
+        ([[True, False]], ValueError, "must be integer token ids, got bool"),
+        ([[1, 2], [3]], ValueError, "its rows differ in length"),
+        ("hello", TypeError, "must be token ids .*, got str"),
+        (None, TypeError, "got NoneType"),
+        ([[]], ValueError, r"got shape \[1, 0\]"),
+        ([1] * 4097, ValueError, "4097 positions, more than the 4096 this model was built for"),
+    ]:
+        with pytest.raises(error, match=message):
+            model(bad)
+    assert list(model(np.array([[3, 1023]], np.int32)).shape) == [1, 2, 1024]  # any integer kind
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_tensor_parallel_without_a_job_says_how_to_start_one(framework):
     cls = _model_class(framework)
     with pytest.raises(ValueError, match=r"tp_size=2, but this process is rank 0 of 1: start one process per rank "

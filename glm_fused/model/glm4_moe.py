@@ -197,12 +197,36 @@ class Glm4MoeForCausalLM(Glm4MoeModel):
         only (None elsewhere)."""
         return self.lm_head(hidden, dst)
 
-    def _logits_without_cache(self, input_ids):
-        F = self.F
-        ids = np.asarray(input_ids if isinstance(input_ids, (list, tuple, np.ndarray)) else F.to_numpy(input_ids),
-                         dtype=np.int64)
+    def _input_ids(self, input_ids) -> np.ndarray:
+        """``input_ids`` as int64, checked here: inside the layers a wrong id is a framework's
+        index error at best, and at TP > 1 a silent row of zeros (each rank masks the ids
+        outside its slice of the vocabulary)."""
+        if isinstance(input_ids, (list, tuple, np.ndarray)):
+            try:
+                ids = np.asarray(input_ids)
+            except ValueError:
+                raise ValueError("input_ids: its rows differ in length; pass one row at a time") from None
+        elif hasattr(input_ids, "shape"):  # a framework tensor
+            ids = self.F.to_numpy(input_ids)
+        else:
+            raise TypeError(f"input_ids must be token ids (a list, array or tensor), got {type(input_ids).__name__}")
         if ids.ndim not in (1, 2) or ids.shape[-1] == 0:
             raise ValueError(f"input_ids must be [seq] or [batch, seq] with seq > 0, got shape {list(ids.shape)}")
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids must be integer token ids, got {ids.dtype}")
+        vocab = self.config.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            bad = ids.min() if ids.min() < 0 else ids.max()
+            raise ValueError(f"input_ids: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if ids.shape[-1] > self.max_position:
+            raise ValueError(f"input_ids: {ids.shape[-1]} positions, more than the {self.max_position} this model "
+                             "was built for (from_pretrained's max_position; default the config's "
+                             "max_position_embeddings)")
+        return ids.astype(np.int64)
+
+    def _logits_without_cache(self, input_ids):
+        F = self.F
+        ids = self._input_ids(input_ids)
         rows = ids.reshape(-1, ids.shape[-1])
         # A temporary cache of one block per row, as long as the row.
         batch = ForwardBatch.prefill(rows.tolist(), np.arange(rows.shape[0])[:, None], all_logits=True)
