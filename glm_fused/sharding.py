@@ -20,8 +20,8 @@ class TPShard:
 
     def __post_init__(self):
         self.config.check_tp(self.size)
-        if not 0 <= self.rank < self.size:
-            raise ValueError(f"rank {self.rank} outside 0..{self.size - 1}")
+        if not (isinstance(self.rank, int) and 0 <= self.rank < self.size):
+            raise ValueError(f"tp_rank {self.rank!r} outside 0..{self.size - 1} (tp_size {self.size})")
 
     # ---- sizes on this rank ------------------------------------------------------------
     @property

@@ -380,6 +380,20 @@ def test_plain_call_refuses_what_is_not_token_ids(framework):
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_from_pretrained_arguments_are_checked_by_name(framework):
+    cls = _model_class(framework)
+    for kwargs, error, message in [({"max_position": 0}, ValueError, "max_position must be a positive integer"),
+                                   ({"max_position": -5}, ValueError, "got -5"),
+                                   ({"tp_rank": 1}, ValueError, r"tp_rank 1 outside 0..0 \(tp_size 1\)")]:
+        with pytest.raises(error, match=message):
+            cls.from_pretrained("glm-4.5-air-tiny", **kwargs)
+    # the command line's spellings of the dtype; Paddle refuses bfloat16 on CPU by name
+    assert cls.from_pretrained("glm-4.5-air-tiny", dtype="fp32").dtype == "float32"
+    if framework == "torch":
+        assert cls.from_pretrained("glm-4.5-air-tiny", dtype="bf16").dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_tensor_parallel_without_a_job_says_how_to_start_one(framework):
     cls = _model_class(framework)
     with pytest.raises(ValueError, match=r"tp_size=2, but this process is rank 0 of 1: start one process per rank "
@@ -412,10 +426,10 @@ def test_bfloat16_on_cpu_tracks_fp32(ckpts, prompts):
 def test_dtype_names_are_checked(ckpts, framework):
     cls = _model_class(framework)
     config = Glm4MoeConfig.from_pretrained(ckpts["A"])
-    with pytest.raises(UserError, match="--dtype 'float16'"):
+    with pytest.raises(UserError, match="dtype 'float16'"):
         cls(config, dtype="float16")
     if framework == "paddle":
-        with pytest.raises(UserError, match=r"--dtype bfloat16.*CPU"):
+        with pytest.raises(UserError, match=r"dtype bfloat16.*CPU"):
             cls(config, dtype="bfloat16")
 
 

@@ -25,6 +25,7 @@ from glm_fused import quantization as q8
 from glm_fused.batch import ForwardBatch
 from glm_fused.checkpoint import fp8_parameters
 from glm_fused.config import Glm4MoeConfig
+from glm_fused.engine_args import DTYPE_NAMES
 from glm_fused.model.attention import Attention, AttentionMetadata  # noqa: F401  (layer classes)
 from glm_fused.model.embedding import ParallelLMHead, VocabParallelEmbedding  # noqa: F401
 from glm_fused.model.layernorm import RMSNorm, add_norm  # noqa: F401
@@ -116,7 +117,11 @@ class Glm4MoeModel(Module):
         super().__init__()
         nn, F = self.nn, self.F
         self.config, self.fused = config, fused
-        self.dtype = F.check_dtype(dtype)
+        self.dtype = F.check_dtype(DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype, flag="dtype")
+        if max_position is not None and not (isinstance(max_position, (int, np.integer)) and not isinstance(
+                max_position, bool) and max_position > 0):
+            raise ValueError(f"max_position must be a positive integer (or None: the config's "
+                             f"max_position_embeddings), got {max_position!r}")
         self.quant = scheme_for(config, quantization)
         self.quantized = fp8_parameters(config, self.quant)
         self.fp8_params = self.quantized if self.quantized and F.keeps_fp8(self.dtype) else set()
@@ -125,7 +130,7 @@ class Glm4MoeModel(Module):
         if (self.comm.rank, self.comm.size) != (tp_rank, tp_size):
             raise ValueError(f"comm is rank {self.comm.rank} of {self.comm.size}, model wants {tp_rank} of {tp_size}")
         c, s, d = config, self.shard, self.dtype
-        self.max_position = max_position or c.max_position_embeddings
+        self.max_position = max_position if max_position is not None else c.max_position_embeddings
         self.embed_tokens = nn.VocabParallelEmbedding(*s.vocab(), c.hidden_size, self.comm,
                                                       reduce_results=not fused, dtype=d)
         rotary_emb = nn.RotaryEmbedding(c.head_dim, c.rotary_dim, self.max_position, c.rope_theta)  # shared
