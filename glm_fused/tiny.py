@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from glm_fused.errors import UserError
+
 TINY_NAME = "glm-4.5-air-tiny"
 
 
@@ -575,12 +577,21 @@ def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     version = tiny_version()
     if _is_complete(target, version):
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_NAME}.tmp-", dir=root))
+    where = "" if cache_dir is not None else " ($GLM_FUSED_CACHE, default ~/.cache/glm_fused)"
+    if root.exists() and not root.is_dir():
+        raise UserError(f"cannot make the tiny checkpoint in {root}{where}: it is a file, not a directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_NAME}.tmp-", dir=root))
+    except OSError as exc:
+        raise UserError(f"cannot make the tiny checkpoint in {root}{where}: {exc.strerror or exc}") from None
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the cache may be shared
-        write_tiny_checkpoint(tmp)
-        (tmp / MARKER_FILE).write_text(version + "\n")
+        try:
+            write_tiny_checkpoint(tmp)
+            (tmp / MARKER_FILE).write_text(version + "\n")
+        except OSError as exc:  # a full disk, say
+            raise UserError(f"cannot write the tiny checkpoint in {root}{where}: {exc.strerror or exc}") from None
         for _ in range(10):
             try:
                 os.rename(tmp, target)

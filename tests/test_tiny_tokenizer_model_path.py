@@ -316,6 +316,24 @@ def test_tiny_name_builds_once_into_the_cache(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [tiny.TINY_NAME]  # no leftovers
 
 
+def test_an_unusable_cache_is_one_line(tmp_path, monkeypatch):
+    """$GLM_FUSED_CACHE naming a file, or a place no directory can be made, is named; it was a
+    traceback from mkdir (through every entry point of the tiny default)."""
+    a_file = tmp_path / "cache"
+    a_file.write_text("not a directory")
+    monkeypatch.setenv("GLM_FUSED_CACHE", str(a_file))
+    with pytest.raises(UserError, match=r"cache \(\$GLM_FUSED_CACHE.*: it is a file, not a directory"):
+        resolve_model("glm-4.5-air-tiny")
+    with pytest.raises(UserError, match="cannot make the tiny checkpoint in .*/cache/below: Not a directory"):
+        tiny.ensure_tiny_checkpoint(a_file / "below")
+    assert a_file.read_text() == "not a directory"  # the user's file is left as it was
+    env = {**os.environ, "GLM_FUSED_CACHE": str(a_file)}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "generate.py"), "--prompt", "hi"], env=env,
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: cannot make the tiny checkpoint in "), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 def test_concurrent_builders_agree(tmp_path):
     code = "import sys; from glm_fused.tiny import ensure_tiny_checkpoint as e; print(e(sys.argv[1]))"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
