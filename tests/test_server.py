@@ -70,12 +70,12 @@ def alive(pid: int) -> bool:
 
 class Server:
     def __init__(self, tp: int, log_path: Path, extra: list[str] | None = None, engine_flags: list[str] | None = None,
-                 model_args: list[str] | None = None):
+                 model_args: list[str] | None = None, host: str = "127.0.0.1"):
         self.tp, self.port, self.log_path = tp, free_port(), log_path
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
         cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), *(model_args or ["--model", MODEL]),
                "--tp", str(tp), "--port", str(self.port), *(ENGINE_FLAGS if engine_flags is None else engine_flags),
-               *(extra or [])]
+               *(["--host", host] if host != "127.0.0.1" else []), *(extra or [])]
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -827,3 +827,19 @@ def test_torch_backend_serves_the_same_greedy_tokens(tmp_path):
             srv.close()
     for srv in servers.values():
         assert not any(alive(pid) for pid in srv.ranks)
+
+
+@pytest.mark.timeout(120)
+def test_ipv6_loopback_and_the_url_it_prints(tmp_path):
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    srv = Server(1, tmp_path / "serve.log", host="::1")
+    try:
+        srv.wait_ready()
+        assert f"serving 'glm-4.5-air-tiny' at http://[::1]:{srv.port}/v1 " in srv.output()  # was http://::1:PORT
+        assert complete(srv, "The lighthouse", max_tokens=2)[2] == "length"
+    finally:
+        srv.close()

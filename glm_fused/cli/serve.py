@@ -238,8 +238,9 @@ def _serve(args: argparse.Namespace) -> int:
         watchdog.start()
         bridge.engine = engine
         weights = "" if runner.load_stats is None else f", weights loaded at {runner.load_stats} on rank 0"
+        host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address, as a URL writes it
         logger.info("ready in %.1f s%s: serving %r at http://%s:%d/v1 (OpenAI API), /health, /metrics; %s",
-                    time.monotonic() - t0, weights, args.served_model_name, args.host, args.port, info["http"])
+                    time.monotonic() - t0, weights, args.served_model_name, host, args.port, info["http"])
         run_engine_loop(engine, bridge, metrics, watchdog)
         http.drain(*STOP_DRAIN_S)  # /health keeps saying 503 while the last answers go out
         logger.info("stopped: in-flight requests cancelled, every rank told to stop")
