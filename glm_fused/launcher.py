@@ -221,6 +221,14 @@ def _print_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
+def stdout_gone() -> int:
+    """The reader of this process's output left (``script | head``): stop quietly, as a shell's
+    tools do, and keep the interpreter's last flush from printing the same error again."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
+
+
 def _flush_output() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # closed or gone: nothing to keep
@@ -359,6 +367,8 @@ def _run_here(worker: Worker, payload: str, timeout: float | None, rank: int) ->
         return 124
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return stdout_gone()
     except Exception:
         traceback.print_exc()
         return 1
@@ -566,6 +576,8 @@ class _Ranks:
             sys.stderr.write(error.get("traceback", ""))
             _print_error(f"{error['summary']} ({self._logs_hint(rank)})")
             return code or 1, True
+        if rank == 0 and code == 128 + signal.SIGPIPE:
+            return code, False  # rank 0's reader left (`script | head`): nothing to report
         if code < 0:
             _print_error(f"rank {rank} was killed by {signal.Signals(-code).name} "
                          f"({self._logs_hint(rank)})")
@@ -701,6 +713,9 @@ def _run_rank(spec: str, payload: str) -> int:
         return 130
     except _Terminated:
         return 143
+    except BrokenPipeError:
+        _ignore_stop_requests()
+        return stdout_gone()
     except Exception as e:
         _ignore_stop_requests()
         tb = traceback.format_exc()

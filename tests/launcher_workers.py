@@ -84,6 +84,16 @@ def fail(args: dict) -> None:
     time.sleep(60)
 
 
+def print_lines(args: dict) -> int:
+    """Rank 0 prints args["lines"] lines (the others wait for it at a barrier of notes)."""
+    note(args)
+    if current_rank() == 0:
+        for i in range(args["lines"]):
+            print(f"line {i} " + "x" * 60)
+    wait_for_notes(args, world_size())
+    return 0
+
+
 def sleep_forever(args: dict) -> None:
     note(args, children=[start_grandchild()])
     while True:

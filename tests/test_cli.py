@@ -249,6 +249,21 @@ def test_impossible_flags_are_named(argv, flag):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
+def test_logit_diff_keeps_its_files_when_its_reader_leaves(tmp_path):
+    """`logit_diff.py ... | head`: the report's reader is gone before it is printed; the JSON is
+    written anyway, and the run ends with the shell's status for that (141), no traceback."""
+    out = tmp_path / "out.json"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "logit_diff.py"), "--json", str(out),
+                             "--max-new-tokens", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(150) == 141, err
+    assert "Traceback" not in err and "error" not in err, err
+    assert json.loads(out.read_text())["passed"]
+
+
 def test_logit_diff_refuses_to_overwrite_its_input(tmp_path):
     ids = tmp_path / "ids.json"
     ids.write_text("[[1, 2, 3]]")

@@ -90,6 +90,25 @@ def start_parent(out: Path, nprocs: int = 2) -> subprocess.Popen:
 # ---- helpers and one process -----------------------------------------------------------
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_a_reader_that_leaves_early_ends_the_run_quietly(tmp_path, nprocs):
+    """`script | head`: rank 0's output pipe closes; the run stops with the shell's status for
+    that (141), no traceback and no error line, nothing left running."""
+    code = ("import sys; from glm_fused.launcher import launch; "
+            f"sys.exit(launch({W + ':print_lines'!r}, {{'out': {str(tmp_path)!r}, 'lines': 200000}}, "
+            f"nprocs={nprocs}))")
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    parent = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert parent.stdout.read(10) == b"line 0 xxx"
+    parent.stdout.close()
+    err = parent.stderr.read().decode()
+    assert parent.wait(30) == 141, err
+    assert "Traceback" not in err and "error" not in err, err
+    pids = [n["pid"] for n in notes(tmp_path).values()]
+    assert wait_until(lambda: not any(alive(pid) for pid in pids), 10)
+
+
 def test_rank_helpers_read_the_environment(monkeypatch):
     assert (current_rank(), world_size()) == (0, 1)
     monkeypatch.setenv("PADDLE_TRAINER_ID", "2")

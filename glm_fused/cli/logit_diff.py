@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from glm_fused.errors import UserError
+from glm_fused.launcher import stdout_gone
 
 # Defaults of the pass/fail rule, per compute dtype. fp32: the two layouts differ only by the
 # order of additions (~1e-6 of the largest logit). bf16: one bf16 path alone is up to ~5e-2
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     report = _report(args.prompts, results, stats, hf, args.tolerance, args.min_top1, vars(args),
                      args.max_error_ratio if args.fp32_reference else None)
-    _print_report(report)
+    # the files first: a reader of stdout that leaves early (`| head`) must not cost them
     if args.json:
         _atomic_write(Path(args.json), lambda f: f.write(json.dumps(report, indent=2).encode()))
     if args.save_logits:
@@ -210,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         if hf is not None:
             arrays.update({f"transformers_{i}": v for i, v in enumerate(hf)})
         _atomic_write(Path(args.save_logits), lambda f: np.savez(f, **arrays))
+    try:
+        _print_report(report)
+    except BrokenPipeError:
+        return stdout_gone()
     return 0 if report["passed"] else 1
 
 
