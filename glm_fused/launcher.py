@@ -502,6 +502,9 @@ class _Ranks:
             env.pop("FLAGS_selected_gpus", None)
         # N ranks each using every core would oversubscribe the machine many times over.
         env.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // n)))
+        # Paddle's C++ INFO lines (its TCP store connecting) on the user's terminal say nothing
+        # to a user; its warnings and errors still show.
+        env.setdefault("GLOG_minloglevel", "1")
         if rank:
             env["PYTHONUNBUFFERED"] = "1"  # a killed rank's log still holds its last lines
         return env

@@ -7,7 +7,11 @@ intermittently.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import re
+import sys
 
 import numpy as np
 import paddle
@@ -15,6 +19,8 @@ import paddle.distributed as dist
 
 from glm_fused.comm import (TPCommBase, barrier_all, device_index, device_kind, dist_backend, leave_group,
                             rank_and_world, shares_gpu)
+
+_FLAGS_BANNER = re.compile(r"=+ Modified FLAGS detected =+\n(?:FLAGS\(.*\)\n)*=+\n")
 
 
 def device() -> str:
@@ -34,7 +40,15 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
         os.environ.setdefault("PADDLE_DISTRI_BACKEND", dist_backend())
         if timeout_s is not None:
             os.environ["PADDLE_PG_TIMEOUT"] = str(int(timeout_s * 1000))  # read by init_parallel_env, in ms
-        dist.init_parallel_env()
+        # init_parallel_env writes every Paddle flag that differs from its default to stderr,
+        # and Paddle 3 itself changes one (FLAGS_enable_pir_in_executor): a banner on every
+        # start with nothing for the user in it. Whatever else it writes still goes out.
+        written = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(written):
+                dist.init_parallel_env()
+        finally:
+            sys.stderr.write(_FLAGS_BANNER.sub("", written.getvalue()))
         from glm_fused.launcher import at_rank_end
 
         at_rank_end(shutdown_distributed)
