@@ -29,6 +29,8 @@ def test_vllm_style_flags_are_checked_before_any_rank_starts(capsys, tmp_path):
     assert "given twice" in refused(["glm-4.5-air-tiny", "--model", "GLM-4.5-Air"], capsys)
     assert "--tool-call-parser" in refused(["--enable-auto-tool-choice"], capsys)
     assert "--chat-template" in refused(["--chat-template", str(tmp_path / "missing.jinja")], capsys)
+    assert "a directory, not a file" in refused(["--chat-template", str(tmp_path)], capsys)
+    assert "--served-model-name is empty" in refused(["--served-model-name", " "], capsys)  # was: served as --model
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}")
     assert "--chat-template" in refused(["--chat-template", str(broken)], capsys)

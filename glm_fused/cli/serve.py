@@ -97,8 +97,10 @@ def check_server_flags(args: argparse.Namespace) -> None:
 
         from glm_fused.tokenizer import Tokenizer
 
-        if not Path(args.chat_template).expanduser().is_file():
-            raise UserError(f"--chat-template {args.chat_template}: no such file")
+        where = Path(args.chat_template).expanduser()
+        if not where.is_file():
+            raise UserError(f"--chat-template {args.chat_template}: "
+                            f"{'a directory, not a file' if where.is_dir() else 'no such file'}")
         if args.model_dir is None or not (Path(args.model_dir) / "tokenizer.json").is_file():
             raise UserError("--chat-template: this model has no tokenizer.json to go with it")
         tok = Tokenizer(args.model_dir, chat_template=args.chat_template)
@@ -110,6 +112,8 @@ def check_server_flags(args: argparse.Namespace) -> None:
         raise UserError(f"--port {args.port}: must be in 1..65535")
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key is empty")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UserError("--served-model-name is empty")
     args.served_model_name = args.served_model_name or args.model
     args.max_request_body_bytes = parse_size(args.max_request_body_bytes, "--max-request-body-bytes")
     if args.max_request_body_bytes < 1024:
