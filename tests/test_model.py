@@ -357,6 +357,32 @@ def test_from_pretrained_takes_the_tiny_name():
     assert model.config.num_hidden_layers == 4 and torch.isfinite(model([1, 2, 3])).all()
 
 
+def test_from_pretrained_takes_a_hugging_face_name_and_revision(tmp_path, monkeypatch):
+    """A name in the local Hugging Face cache, as --model takes it; ``revision`` picks the
+    snapshot (here two copies of the tiny checkpoint, the second with another rope_theta)."""
+    import shutil
+
+    from glm_fused.tiny import ensure_tiny_checkpoint
+
+    hub = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    entry = hub / "models--zai-org--GLM-4.5-Air"
+    for rev in ("a1" * 20, "b2" * 20):
+        shutil.copytree(ensure_tiny_checkpoint(), entry / "snapshots" / rev)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text("a1" * 20)
+    (entry / "refs" / "v2").write_text("b2" * 20)
+    config = entry / "snapshots" / ("b2" * 20) / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "rope_theta": 500.0}))
+    cls = _model_class("torch")
+    main, v2 = cls.from_pretrained("GLM-4.5-Air"), cls.from_pretrained("zai-org/GLM-4.5-Air", revision="v2")
+    assert v2.config.rope_theta == 500.0 and main.config.rope_theta != 500.0
+    assert torch.equal(main([3, 4, 5]), cls.from_pretrained("glm-4.5-air-tiny")([3, 4, 5]))
+    assert not torch.allclose(main([3, 4, 5]), v2([3, 4, 5]))  # positions 1 and 2 rotate otherwise
+    with pytest.raises(UserError, match="--revision v3"):
+        cls.from_pretrained("GLM-4.5-Air", revision="v3")
+
+
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_plain_call_refuses_what_is_not_token_ids(framework):
     """model(input_ids) names what is wrong with its input; before, a negative id ran silently

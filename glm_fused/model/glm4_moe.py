@@ -245,10 +245,13 @@ class Glm4MoeForCausalLM(Glm4MoeModel):
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, tp_rank: int = 0, tp_size: int = 1, fused: bool = True,
                         dtype: str = "float32", comm=None, device=None, max_position: int | None = None,
-                        progress: bool = False, quantization: str | None = None) -> "Glm4MoeForCausalLM":
-        """Build this rank's model and load its weights from a safetensors checkpoint directory
-        (or ``glm-4.5-air-tiny``, the built-in tiny checkpoint). An fp8 checkpoint loads as fp8
-        (on CPU and in Paddle: dequantized); ``quantization="fp8"`` quantizes a bf16 one at load.
+                        progress: bool = False, quantization: str | None = None,
+                        revision: str | None = None) -> "Glm4MoeForCausalLM":
+        """Build this rank's model and load its weights from what ``--model`` names: a
+        safetensors checkpoint directory, ``glm-4.5-air-tiny`` (the built-in tiny checkpoint), or
+        a Hugging Face name in the local cache (``revision``: a branch, tag or commit of it). An
+        fp8 checkpoint loads as fp8 (on CPU and in Paddle: dequantized); ``quantization="fp8"``
+        quantizes a bf16 one at load.
 
         For ``tp_size > 1`` every rank calls this with its own ``tp_rank`` after the launcher
         (or torchrun / ``paddle.distributed.launch``) set up the environment; the process group
@@ -258,7 +261,7 @@ class Glm4MoeForCausalLM(Glm4MoeModel):
         from glm_fused.model_path import resolve_model
 
         F = cls.F
-        resolved = resolve_model(str(model_dir))
+        resolved = resolve_model(str(model_dir), revision=revision)
         if resolved.path is None:
             raise FileNotFoundError(f"{model_dir}: no checkpoint directory")
         config = Glm4MoeConfig.from_pretrained(resolved.path)
