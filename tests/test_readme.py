@@ -1,9 +1,10 @@
-"""The README's examples run as written, on the tiny default on CPU: the model class, and the
-quick start's server answering the README's curl and `openai` examples. Every `python
-scripts/X.py ...` command of the README and docs/ parses with that script's own flags.
+"""The README's examples run as written, on the tiny default on CPU: the model class, the model
+class at TP 4 under torchrun and paddle.distributed.launch, and the quick start's server
+answering the README's curl and `openai` examples. Every `python scripts/X.py ...` command of
+the README and docs/ parses with that script's own flags.
 
-Only the server's port differs from the README (8000 may be taken where tests run); the quick
-start's `pip install` is what CI runs before the suite.
+Only the server's port differs from the README (8000 may be taken where tests run). The quick
+start's `pip install` is left out: CI installs the test extras, which hold the serve extra's.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import contextlib
 import importlib
 import io
 import json
+import os
 import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
+import uuid
 
 import httpx
 import pytest
@@ -132,9 +134,6 @@ def test_openai_client_example(quick_start):
 @pytest.mark.parametrize("framework", ["torch", "paddle"])
 def test_tensor_parallel_example(tmp_path, framework):
     """The model class at TP 4 under each framework's own launcher, as the README starts it."""
-    import os
-    import uuid
-
     from test_cli import _processes_with
 
     code = block_with("python", "tp_logits.py")
