@@ -501,7 +501,7 @@ class _Ranks:
         else:
             env.pop("FLAGS_selected_gpus", None)
         # N ranks each using every core would oversubscribe the machine many times over.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // n)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // n)))
         # Paddle's C++ INFO lines (its TCP store connecting) on the user's terminal say nothing
         # to a user; its warnings and errors still show.
         env.setdefault("GLOG_minloglevel", "1")
@@ -657,7 +657,8 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _cpu_count() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity), else all of the machine's."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:

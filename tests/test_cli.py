@@ -251,7 +251,6 @@ def test_impossible_flags_are_named(argv, flag):
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and flag in proc.stderr
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.timeout(180)
 def test_logit_diff_keeps_its_files_when_its_reader_leaves(tmp_path):
     """`logit_diff.py ... | head`: the report's reader is gone before it is printed; the JSON is
@@ -267,6 +266,7 @@ def test_logit_diff_keeps_its_files_when_its_reader_leaves(tmp_path):
     assert json.loads(out.read_text())["passed"]
 
 
+@pytest.mark.timeout(60)
 def test_logit_diff_refuses_to_overwrite_its_input(tmp_path):
     ids = tmp_path / "ids.json"
     ids.write_text("[[1, 2, 3]]")

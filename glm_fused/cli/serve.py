@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 import signal
 import socket
@@ -20,6 +19,7 @@ import time
 from glm_fused.cli.common import Rank, eos_ids, load_tokenizer, run_main, setup_logging
 from glm_fused.engine_args import EngineArgs
 from glm_fused.errors import UserError
+from glm_fused.launcher import usable_cpus
 
 logger = logging.getLogger("glm_fused.serve")
 
@@ -119,8 +119,7 @@ def check_server_flags(args: argparse.Namespace) -> None:
     if args.max_request_body_bytes < 1024:
         raise UserError(f"--max-request-body-bytes {args.max_request_body_bytes}: at least 1K, "
                         "or no request would fit")
-    cpus = max(DEFAULT_PREPROCESS_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-               else os.cpu_count() or 1)
+    cpus = max(DEFAULT_PREPROCESS_WORKERS, usable_cpus())
     if not 0 <= args.preprocess_workers <= cpus:  # each is a process; more than the CPUs only take turns
         raise UserError(f"--preprocess-workers {args.preprocess_workers}: must be in 0..{cpus} "
                         f"(the CPUs this process may use)")
