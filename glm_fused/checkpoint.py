@@ -2,10 +2,11 @@
 
 Framework-free. The load plan maps checkpoint names onto the model's parameter names
 (docs/design.md): which slice of which checkpoint tensor this rank reads, and where it lands
-in which parameter (q/k/v and gate/up stacked, experts stacked). It reads nothing itself: a
-framework's weight writer copies each slice, as stored, straight into its parameter
-(``glm_fused.model.loader``). It is strict: a missing, unexpected, misshaped or non-float
-tensor, or a missing or truncated shard, is a UserError naming the tensor and file.
+in which parameter (q/k/v and gate/up stacked, experts stacked). Of the tensors it reads only
+fp8 scales, to check them: a framework's weight writer copies each slice, as stored, straight
+into its parameter (``glm_fused.model.loader``). It is strict: a missing, unexpected,
+misshaped or non-float tensor, a missing or truncated shard, or a NaN, infinite or negative
+fp8 scale is a UserError naming the tensor and file.
 
 Both expert layouts seen in the wild are accepted: the original per-expert names
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``) and transformers-5 fused experts
@@ -495,6 +496,17 @@ def _progress(total_bytes: int):
                 dynamic_ncols=True)
 
 
+def _check_scale(read: Part) -> None:
+    """fp8 scales must be finite and not negative: a NaN or infinite one would serve NaN or
+    garbage without a word. One per row or per block, so reading them twice costs little."""
+    values = read.source.read(read.name, read.index)
+    bad = values[~(np.isfinite(values) & (values >= 0))]
+    if bad.size:
+        more = f" (and {bad.size - 1} more bad values)" if bad.size > 1 else ""
+        raise UserError(f"{read.source.path}: fp8 scale {read.name!r} holds {float(bad[0]):g}{more}; scales must be finite "
+                        f"and not negative")
+
+
 def load_rank_weights(model_dir: str | Path, config: Glm4MoeConfig, shard: TPShard,
                       shapes: dict[str, tuple[int, ...]], write, progress: bool = False,
                       fp8: set[str] = frozenset()) -> int:
@@ -516,6 +528,9 @@ def load_rank_weights(model_dir: str | Path, config: Glm4MoeConfig, shard: TPSha
         if tuple(p.shape) != tuple(shapes[name]):
             raise UserError(f"{model_dir}: tensor for {name!r} has shape {list(p.shape)}, "
                             f"the parameter on rank {shard.rank} is {list(shapes[name])}")
+        for part in p.parts:
+            if part.scale is not None:
+                _check_scale(part.scale)
         write(name, p.parts)
         nbytes += sum(part.nbytes for part in p.parts)
         loaded.add(name)

@@ -124,8 +124,8 @@ def _compressed_tensors(raw: dict, where: str) -> Fp8Scheme:
         at = f"{where}.config_groups.{name}"
         if not isinstance(group, dict):
             raise UserError(f"{at} must be a JSON object")
-        targets = group.get("targets") or []
-        if "Linear" not in targets:
+        targets = group.get("targets")
+        if not isinstance(targets, list) or "Linear" not in targets:
             raise UserError(f"{at}.targets {targets!r}: only groups targeting 'Linear' are supported")
         w = group.get("weights")
         if not isinstance(w, dict):
@@ -133,7 +133,7 @@ def _compressed_tensors(raw: dict, where: str) -> Fp8Scheme:
         if w.get("type") != "float" or w.get("num_bits") != 8:
             raise UserError(f"{at}.weights: type {w.get('type')!r} with {w.get('num_bits')!r} bits is not supported "
                             f"(fp8: type 'float', num_bits 8)")
-        if w.get("dynamic") or w.get("symmetric") is False:
+        if w.get("dynamic", False) is not False or w.get("symmetric", True) is not True:
             raise UserError(f"{at}.weights: only static symmetric weight scales are supported")
         strategy = w.get("strategy")
         if strategy == "channel":
@@ -143,9 +143,12 @@ def _compressed_tensors(raw: dict, where: str) -> Fp8Scheme:
         else:
             raise UserError(f"{at}.weights.strategy {strategy!r} is not supported (channel or block)")
         acts = group.get("input_activations")
-        if not isinstance(acts, dict) or not acts.get("dynamic") or acts.get("strategy") not in ("token", "group"):
-            raise UserError(f"{at}.input_activations must be dynamic per-token (or per-group) fp8: activations "
-                            f"are quantized per token at run time; static activation scales are not supported")
+        if (not isinstance(acts, dict) or acts.get("dynamic") is not True or acts.get("strategy") not in ("token", "group")
+                or acts.get("type", "float") != "float" or acts.get("num_bits", 8) != 8
+                or acts.get("symmetric", True) is not True):
+            raise UserError(f"{at}.input_activations must be dynamic symmetric per-token (or per-group) fp8: "
+                            f"activations are quantized per token at run time; static or other activation schemes are "
+                            f"not supported")
     if len(blocks) > 1:
         raise UserError(f"{where}.config_groups: the groups use different weight strategies; one is supported")
     return Fp8Scheme("compressed-tensors", blocks.pop(), _names(raw.get("ignore"), f"{where}.ignore"))

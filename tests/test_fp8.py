@@ -331,10 +331,18 @@ CONFIGS = {
     "tensor": (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="tensor"),
                r"weights.strategy 'tensor' is not supported"),
     "static": (lambda q: q["config_groups"]["group_0"]["input_activations"].update(dynamic=False),
-               r"input_activations must be dynamic per-token"),
+               r"input_activations must be dynamic symmetric per-token"),
     "block_size": ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size \[128\]: expected two"),
     "per_tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, r"without weight_block_size"),
     "regex": (lambda q: q["ignore"].append("re:("), r"'re:\(' is not a valid regex"),
+    "targets_not_a_list": (lambda q: q["config_groups"]["group_0"].update(targets=True),
+                           r"targets True: only groups targeting 'Linear'"),
+    "int8_activations": (lambda q: q["config_groups"]["group_0"]["input_activations"].update(type="int"),
+                         r"input_activations must be dynamic symmetric per-token"),
+    "4_bit_activations": (lambda q: q["config_groups"]["group_0"]["input_activations"].update(num_bits=4),
+                          r"input_activations must be dynamic symmetric per-token"),
+    "asymmetric_weights": (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=-1),
+                           r"only static symmetric weight scales"),
 }
 
 
@@ -417,6 +425,34 @@ def test_dummy_fp8_weights_on_cpu():
     assert not torch.allclose(OPS.dequantize_fp8(OPS.quantize_fp8(draw)), draw, rtol=1e-3, atol=0)
     assert np.isfinite(runner.forward(ForwardBatch.prefill([[1, 2, 3]], runner.slot_tables([0])))).all()
     runner.close()
+
+
+def _set_first_scale(name, value):
+    def fn(t):
+        if name in t:
+            t[name] = t[name].clone()
+            t[name].view(-1)[0] = value
+    return fn
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5])
+@pytest.mark.parametrize("variant,scale", [("channel", f"{Q}.weight_scale"), ("block", f"{Q}.weight_scale_inv"),
+                                           ("block_fused", "model.layers.2.mlp.experts.down_proj_scale_inv")])
+def test_a_bad_scale_is_named_at_load(ckpts, tmp_path, variant, scale, value):
+    """A NaN, infinite or negative fp8 scale served NaN or garbage without a word; now the load
+    names it, in either framework, before the weight writer (so whether the model keeps fp8 or
+    decodes to floats)."""
+    d = _copy(ckpts[variant][0], tmp_path / "ckpt")
+    _edit_tensors(d, _set_first_scale(scale, value))
+    _resolve(d)  # the headers are fine: the check reads the scales
+    for framework in ("torch", "paddle"):
+        with pytest.raises(UserError) as exc:
+            _rank_model(framework, d, 1, 0)
+        assert __import__("re").search(rf"fp8 scale '{scale}' holds {value}; scales must be finite and not negative",
+                                       _one_line(exc)), _one_line(exc)
+    d2 = _copy(ckpts[variant][0], tmp_path / "zero")  # an all-zero row's scale may be 0: it loads
+    _edit_tensors(d2, _set_first_scale(scale, 0.0))
+    _rank_model("torch", d2, 2, 1)
 
 
 @pytest.mark.timeout(120)
