@@ -12,6 +12,7 @@ raw text of the same draws from /v1/completions for the parsers' splits.
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -182,6 +183,54 @@ def test_json_schema_and_json_object_answers(api_server):
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:
         assert r.choices[0].message.content.lstrip().startswith("{")
+
+
+@pytest.mark.timeout(240)
+def test_vllm_and_sglang_structured_output_fields(api_server, tok):
+    """vLLM's structured_outputs and guided_* fields, SGLang's regex, and response_format on
+    completions, as their users send them (extra_body), on both endpoints: each answer
+    checked by Python's re, the choice list or jsonschema; conflicting or unknown options
+    are 400s naming the field."""
+    srv, client = api_server, api_server.client()
+    r = client.completions.create(model=MODEL, prompt="Sentiment:", max_tokens=ROOM, temperature=1.0, seed=3, n=3,
+                                  extra_body={"structured_outputs": {"choice": ["positive", "negative", "neutral"]}})
+    assert [(c.text in ("positive", "negative", "neutral"), c.finish_reason) for c in r.choices] == [(True, "stop")] * 3
+    ids = tok.encode("Code:", add_special_tokens=True)  # token ids: the request skips the inline path for its grammar
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=ROOM, temperature=1.0, seed=4,
+                                  extra_body={"guided_regex": r"[A-Z]{2}-[0-9]{2,3}"})
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{2,3}", r.choices[0].text) and r.choices[0].finish_reason == "stop", r
+    r = client.completions.create(model=MODEL, prompt="A person:", max_tokens=ROOM, temperature=0,
+                                  extra_body={"response_format": {"type": "json_schema",
+                                                                  "json_schema": {"name": "p", "schema": PERSON}}})
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=ROOM, temperature=0,
+                                       extra_body={**NO_THINKING, "guided_json": PERSON})
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=ROOM, temperature=1.0, seed=5,
+                                       extra_body={**NO_THINKING, "regex": r"(sunny|rainy), [0-9]{1,2}C"})
+    assert re.fullmatch(r"(sunny|rainy), [0-9]{1,2}C", r.choices[0].message.content), r
+    refused = [
+        (_complete, {"structured_outputs": {"regex": "a+"}, "guided_regex": "b+"}, "guided_regex"),
+        (_complete, {"structured_outputs": {"regex": "a+", "choice": ["x"]}}, "structured_outputs.choice"),
+        (_complete, {"structured_outputs": {"regexp": "a+"}}, "structured_outputs.regexp"),
+        (_complete, {"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"),
+        (_complete, {"structured_outputs": {"regex": "a+", "backend": "outlines"}}, "structured_outputs.backend"),
+        (_complete, {"structured_outputs": "a+"}, "structured_outputs"),
+        (_complete, {"guided_choice": "abc"}, "guided_choice"), (_complete, {"guided_regex": "("}, "guided_regex"),
+        (_complete, {"guided_json": {"type": "bogus"}}, "guided_json"),
+        (_complete, {"guided_regex": "a+", "guided_decoding_backend": "lm-format-enforcer"}, "guided_decoding_backend"),
+        (_complete, {"guided_regex": "a+", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+        (_complete, {"response_format": {"type": "xml"}}, "response_format.type"),
+        (_chat, {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+        (_chat, {"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"choice": ["x"]}},
+         "structured_outputs.choice"),
+    ]
+    wrong = []
+    for call, body, param in refused:
+        error = call(srv, 400, **body)["error"]
+        if error["param"] != param or not error["message"]:
+            wrong.append((body, error))
+    assert not wrong, wrong
 
 
 # ---- reasoning ---------------------------------------------------------------------------------

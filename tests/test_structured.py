@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 
 import jsonschema
 import numpy as np
@@ -16,6 +17,7 @@ from glm_fused import tiny
 from glm_fused.engine.sampling import InvalidParam, SamplingParams, bitmask_to_bool, row_key, sample
 from glm_fused.engine.structured import StructuredOutputs, request_format
 from glm_fused.server.chat import resolve_tool_choice
+from glm_fused.server.protocol import Constraint
 from glm_fused.tokenizer import Tokenizer
 from test_chat import parse_answer
 
@@ -209,6 +211,61 @@ def test_requests_that_cannot_be_enforced_name_the_field(so):
     # the schema's fault, without xgrammar's log prefix (its time and C++ source file)
     assert str(err.value).startswith("response_format: the schema cannot be enforced: ") and "bogus" in str(err.value)
     assert ".cc:" not in str(err.value) and "[" not in str(err.value), str(err.value)
+
+
+# vLLM's and SGLang's structured output fields (glm_fused.server.protocol.Constraint): each
+# kind's answers from random logits, checked with Python's re, the choice list, a second
+# reading of the grammar's language, and jsonschema
+GRAMMAR_YES_NO = 'root ::= "yes" | "no" | ("maybe " [0-9] [0-9]?)'
+CONSTRAINED = {
+    "regex": (Constraint("structured_outputs.regex", "regex", r"[0-9]{3}-[a-z]{2,4}( ok)?"),
+              lambda text: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}( ok)?", text)),
+    "choice": (Constraint("guided_choice", "choice", ["positive", "negative", "neutral"]),
+               lambda text: text in ("positive", "negative", "neutral")),
+    "grammar": (Constraint("ebnf", "grammar", GRAMMAR_YES_NO), lambda text: re.fullmatch(r"yes|no|maybe [0-9]{1,2}", text)),
+    "json_text": (Constraint("guided_json", "json", json.dumps(POINT)),
+                  lambda text: jsonschema.validate(json.loads(text), POINT) is None),
+    # no free whitespace: outside strings, a space only after ':' and ',' (xgrammar's fixed
+    # separators, as vLLM's disable_any_whitespace gives)
+    "json_compact": (Constraint("structured_outputs.json", "json", PERSON, compact=True),
+                     lambda text: jsonschema.validate(json.loads(text), PERSON) is None
+                     and not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', '""', text).replace(": ", ":")
+                                       .replace(", ", ","))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONSTRAINED))
+def test_vllm_and_sglang_constraints_from_random_logits(so, tok, name):
+    constraint, holds = CONSTRAINED[name]
+    compiled = so.compile(request_format(constraint=constraint, lead_newline=False), constraint.param)
+    for seed in range(4):
+        ids, stopped = decode_random(so, compiled, seed, SAMPLED)
+        text = tok.decode(ids)
+        assert stopped and holds(text), (seed, text)
+
+
+def test_constraints_that_cannot_be_enforced_name_the_field(so):
+    cases = [
+        (Constraint("guided_regex", "regex", "("), "guided_regex"),
+        (Constraint("structured_outputs.grammar", "grammar", "root ::= undefined_rule"), "structured_outputs.grammar"),
+        (Constraint("guided_json", "json", "{not json"), "guided_json"),
+        (Constraint("guided_json", "json", [1]), "guided_json"),
+        (Constraint("json_schema", "json", {"type": "bogus"}, compact=True), "json_schema"),
+        (Constraint("guided_choice", "choice", []), "guided_choice"),
+        (Constraint("guided_choice", "choice", "positive"), "guided_choice"),
+        (Constraint("regex", "regex", 5), "regex"),
+    ]
+    for constraint, param in cases:
+        with pytest.raises(InvalidParam) as err:
+            so.compile(request_format(constraint=constraint), constraint.param)
+        assert err.value.param == param and str(err.value).startswith(param), (constraint, str(err.value))
+        assert ".cc:" not in str(err.value), str(err.value)
+    one = Constraint("guided_regex", "regex", "a+")
+    for kwargs, param in [(dict(response_format={"type": "json_object"}), "guided_regex"),
+                          (dict(tools=TOOLS, tool_mode="required"), "guided_regex")]:
+        with pytest.raises(InvalidParam) as err:
+            request_format(constraint=one, **kwargs)
+        assert err.value.param == param, kwargs
 
 
 @pytest.mark.timeout(300)

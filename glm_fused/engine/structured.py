@@ -4,6 +4,9 @@ SGLang use): an answer that ends with a stop token always parses and follows its
 What a request asks for becomes one xgrammar structural tag (``request_format``):
 * ``response_format`` ``json_object`` (any JSON object) or ``json_schema`` (that schema,
   strictly: no properties beyond the declared ones, as OpenAI's strict mode);
+* a ``constraint`` under vLLM's or SGLang's names (``glm_fused.server.protocol``): a JSON
+  schema, any JSON object, a regular expression, one of a list of strings, or an EBNF grammar
+  (xgrammar's dialect, as vLLM takes it);
 * ``tool_choice`` ``required`` (one or more calls to the request's tools; exactly one with
   ``parallel_tool_calls: false``) or a named function (one call to it), in GLM-4.5's call
   format exactly as its chat template renders calls, each argument following the tool's
@@ -23,6 +26,7 @@ without it ``StructuredOutputs`` raises ``UserError`` naming the extra.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Iterable
 
@@ -138,24 +142,75 @@ def _json_schema(response_format: dict) -> Any:
     return schema if schema != {} else True
 
 
-def request_format(*, response_format: dict | None = None, tools: list[dict] | None = None,
+# xgrammar's errors begin with its log prefix, "[12:00:00] /src/x.cc:9: ": its source, not the user's schema
+_XGR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
+def _cannot_enforce(param: str, exc: Exception) -> InvalidParam:
+    """xgrammar's refusal as a 400's message: its first line, without xgrammar's log prefix."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    what = "the schema" if param.startswith(("response_format", "tool")) else "it"
+    return InvalidParam(param, f"{param}: {what} cannot be enforced: {_XGR_LOG_PREFIX.sub('', first)}")
+
+
+def _constraint_format(param: str, kind: str, value: Any, compact: bool):
+    """One of ``protocol.Constraint``'s kinds as a format; ``compact``: JSON without whitespace."""
+    st = _st()
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else value
+        if isinstance(schema, str):  # vLLM takes the schema as JSON text too
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise InvalidParam(param, f"{param}: not a JSON schema: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidParam(param, f"{param} must be a JSON schema (an object)")
+        schema = _json_safe(schema if schema != {} else True)
+        if not compact:
+            return st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        # no whitespace at all: the structural tag's JSON takes at least one, so the schema's
+        # grammar as xgrammar writes it without whitespace
+        try:
+            grammar = _xgr().Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise _cannot_enforce(param, exc) from None
+        return st.GrammarFormat(grammar=str(grammar))
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+            raise InvalidParam(param, f"{param} must be a non-empty list of non-empty strings")
+        return st.OrFormat(elements=[st.ConstStringFormat(value=v) for v in dict.fromkeys(value)])
+    if not isinstance(value, str) or not value:
+        raise InvalidParam(param, f"{param} must be a non-empty string")
+    return st.RegexFormat(pattern=value) if kind == "regex" else st.GrammarFormat(grammar=value)
+
+
+def request_format(*, response_format: dict | None = None, constraint=None, tools: list[dict] | None = None,
                    tool_mode: str = "none", tool_name: str | None = None, parallel_tool_calls: bool = True,
-                   thinking: bool = False):
+                   thinking: bool = False, lead_newline: bool = True):
     """The xgrammar structural tag for a request, or ``None`` when nothing is enforced.
 
-    ``tool_mode``/``tool_name``: ``glm_fused.server.chat.resolve_tool_choice``'s result;
-    ``thinking``: the answer may open with a think block (the reasoning parser's start
-    state is not ``content``). Raises ``InvalidParam`` naming the field at fault."""
+    ``constraint``: a ``glm_fused.server.protocol.Constraint`` (vLLM's and SGLang's structured
+    output fields); ``tool_mode``/``tool_name``: ``glm_fused.server.chat.resolve_tool_choice``'s
+    result; ``thinking``: the answer may open with a think block (the reasoning parser's start
+    state is not ``content``); ``lead_newline``: the answer may open with a newline (a chat
+    answer, as GLM writes one; a completion continues its prompt as it is). Raises
+    ``InvalidParam`` naming the field at fault."""
     st = _st()
     kind = (response_format or {}).get("type", "text")
     if kind not in ("text", "json_object", "json_schema"):
         raise InvalidParam("response_format.type", f"response_format type {kind!r}: expected text, "
                                                    "json_object or json_schema")
     forced = tool_mode in ("required", "named")
-    if forced and kind != "text":
-        raise InvalidParam("response_format", f"response_format {kind} cannot be combined with tool_choice "
-                                              f"{tool_mode if tool_mode == 'required' else repr(tool_name)}")
+    if forced and (kind != "text" or constraint is not None):
+        what = f"response_format {kind}" if kind != "text" else constraint.param
+        raise InvalidParam(constraint.param if kind == "text" else "response_format",
+                           f"{what} cannot be combined with tool_choice "
+                           f"{tool_mode if tool_mode == 'required' else repr(tool_name)}")
+    if kind != "text" and constraint is not None:
+        raise InvalidParam(constraint.param, f"{constraint.param} cannot be combined with response_format {kind}: "
+                                             f"give one")
     newline = st.OptionalFormat(content=st.ConstStringFormat(value="\n"))
+    lead = [newline] if lead_newline else []
     if forced:
         calls = {}
         for i, tool in enumerate(tools or []):
@@ -169,11 +224,14 @@ def request_format(*, response_format: dict | None = None, tools: list[dict] | N
         if tool_mode == "required" and parallel_tool_calls:
             more = st.StarFormat(content=st.SequenceFormat(elements=[st.ConstStringFormat(value="\n"), one]))
             one = st.SequenceFormat(elements=[one, more])
-        body = st.SequenceFormat(elements=[newline, one])
+        body = st.SequenceFormat(elements=[*lead, one])
     elif kind == "json_object":
-        body = st.SequenceFormat(elements=[newline, _json_format({"type": "object"})])
+        body = st.SequenceFormat(elements=[*lead, _json_format({"type": "object"})])
     elif kind == "json_schema":
-        body = st.SequenceFormat(elements=[newline, _json_format(_json_schema(response_format))])
+        body = st.SequenceFormat(elements=[*lead, _json_format(_json_schema(response_format))])
+    elif constraint is not None:
+        body = st.SequenceFormat(elements=[*lead, _constraint_format(constraint.param, constraint.kind,
+                                                                     constraint.value, constraint.compact)])
     else:
         return None
     if thinking:
@@ -240,8 +298,6 @@ def _utf8_run(state: int, data: bytes) -> int:
 
 
 # ---- compiling, and one sequence's state ---------------------------------------------------
-# xgrammar's errors begin with its log prefix, "[12:00:00] /src/x.cc:9: ": its source, not the user's schema
-_XGR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
 
 
 class StructuredOutputs:
@@ -280,9 +336,7 @@ class StructuredOutputs:
         try:
             return self.compiler.compile_structural_tag(tag)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors derive from these
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            first = _XGR_LOG_PREFIX.sub("", first)
-            raise InvalidParam(param, f"{param}: the schema cannot be enforced: {first}") from None
+            raise _cannot_enforce(param, exc) from None
 
     def state(self, compiled) -> "GrammarState":
         return GrammarState(compiled, self.vocab_size, self.utf8)

@@ -12,6 +12,7 @@ preprocessing workers (``glm_fused.server.preprocess``).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 import uuid
 from typing import Any, Literal, Optional, Union
 
@@ -39,6 +40,28 @@ REFUSED = {
 }
 
 
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output asked for under vLLM's or SGLang's names, for
+    ``glm_fused.engine.structured.request_format``."""
+
+    param: str             # the field it came from, named in errors
+    kind: str              # one of STRUCTURED_KINDS
+    value: Any
+    compact: bool = False  # JSON with ", " and ": " as its only whitespace (vLLM's disable_any_whitespace)
+
+
+# vLLM's structured_outputs: a JSON schema, any JSON object, a regex, one of some strings, an EBNF grammar
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# The same under older and other names: vLLM's guided_* (before structured_outputs), SGLang's
+STRUCTURED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                      "guided_grammar": "grammar", "json_schema": "json", "regex": "regex", "ebnf": "grammar"}
+# Fields that may ask for a grammar: such a request is prepared in a worker, where compiling it
+# cannot hold up the server's event loop
+GRAMMAR_FIELDS = ("response_format", "structured_outputs", *STRUCTURED_ALIASES)
+GRAMMAR_BACKENDS = (None, "auto", "xgrammar")  # the one this server has, under the names a request may give
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
 
@@ -47,8 +70,9 @@ class StreamOptions(BaseModel):
 
 class _Common(BaseModel):
     """Fields both endpoints share (OpenAI's names; top_k, min_p, repetition_penalty,
-    min_tokens, seed, ignore_eos, stop_token_ids, skip_special_tokens and
-    include_stop_str_in_output as vLLM has them)."""
+    min_tokens, seed, ignore_eos, stop_token_ids, skip_special_tokens,
+    include_stop_str_in_output and structured_outputs as vLLM has them; the structured output
+    fields under other names are read from the extras: ``constraint``)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -73,6 +97,8 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: Optional[str] = None  # an end-user id for the caller's own records: accepted, not used
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
     def _check_common(self) -> None:
         extra = self.model_extra or {}
@@ -93,6 +119,46 @@ class _Common(BaseModel):
         for key in self.logit_bias or {}:
             if not key.strip().lstrip("-").isdigit():
                 raise ApiError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+
+    def constraint(self) -> Constraint | None:
+        """What the output must follow under vLLM's ``structured_outputs`` (or its older
+        ``guided_*`` fields) or SGLang's ``regex`` / ``json_schema`` / ``ebnf``; None when none
+        is given. Two at once, or an option this server cannot honour, is a 400 naming it."""
+        extra, found, compact = self.model_extra or {}, [], False
+        for key, value in (self.structured_outputs or {}).items():
+            where = f"structured_outputs.{key}"
+            if key == "json_object" and value in (None, False):
+                continue
+            if key == "json_object" and value is not True:
+                raise ApiError(400, f"{where} must be true or false", param=where)
+            if key in STRUCTURED_KINDS:
+                if value is not None:
+                    found.append((where, key, value))
+            elif key in ("disable_fallback", "disable_additional_properties", "disable_any_whitespace"):
+                # one grammar backend, so no fallback; it keeps to the declared properties either way
+                if not isinstance(value, bool):
+                    raise ApiError(400, f"{where} must be true or false", param=where)
+                compact = compact or (key == "disable_any_whitespace" and value)
+            elif key in ("backend", "_backend"):
+                if value not in GRAMMAR_BACKENDS:
+                    raise ApiError(400, f"{where} {value!r}: this server's grammars are xgrammar's", param=where)
+            elif key in ("whitespace_pattern", "structural_tag"):
+                if value is not None:
+                    raise ApiError(400, f"{where} is not supported", param=where)
+            else:
+                raise ApiError(400, f"{where} is not a structured output option (expected one of "
+                                    f"{', '.join(STRUCTURED_KINDS)})", param=where)
+        found += [(name, kind, extra[name]) for name, kind in STRUCTURED_ALIASES.items()
+                  if extra.get(name) is not None]
+        if extra.get("guided_decoding_backend") not in GRAMMAR_BACKENDS:
+            raise ApiError(400, f"guided_decoding_backend {extra['guided_decoding_backend']!r}: this server's "
+                                f"grammars are xgrammar's", param="guided_decoding_backend")
+        if extra.get("guided_whitespace_pattern") is not None:
+            raise ApiError(400, "guided_whitespace_pattern is not supported", param="guided_whitespace_pattern")
+        if len(found) > 1:
+            raise ApiError(400, f"{found[0][0]} and {found[1][0]} both constrain the output: give one",
+                           param=found[1][0])
+        return Constraint(*found[0], compact=compact) if found else None
 
     def sampling_params(self, default_max_tokens: int, *, logprobs: int | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -163,7 +229,6 @@ class ChatCompletionRequest(_Common):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: bool = True
-    response_format: Optional[dict[str, Any]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     modalities: Optional[list[str]] = None
 
