@@ -225,6 +225,17 @@ def test_vllm_and_sglang_structured_output_fields(api_server, tok):
         (_chat, {"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"choice": ["x"]}},
          "structured_outputs.choice"),
     ]
+    # vLLM's other fields this server does not serve: refused unless they ask for nothing
+    refused += [(_complete, {name: value}, name) for name, value in [
+        ("use_beam_search", True), ("length_penalty", 0.5), ("truncate_prompt_tokens", 4), ("prompt_logprobs", 1),
+        ("allowed_token_ids", [5, 6]), ("bad_words", ["sea"]), ("add_special_tokens", False), ("priority", 1),
+        ("cache_salt", "tenant-a"), ("return_tokens_as_token_ids", True), ("spaces_between_special_tokens", False)]]
+    refused += [(_chat, {name: value}, name) for name, value in [
+        ("add_special_tokens", True), ("add_generation_prompt", False), ("continue_final_message", True),
+        ("chat_template", "{{ messages }}"), ("echo", True), ("documents", [{"text": "x"}])]]
+    for body in ({"use_beam_search": False, "add_special_tokens": True, "bad_words": [], "priority": 0},):
+        _complete(srv, **body)
+    _chat(srv, add_generation_prompt=True, add_special_tokens=False, echo=False, continue_final_message=False)
     wrong = []
     for call, body, param in refused:
         error = call(srv, 400, **body)["error"]

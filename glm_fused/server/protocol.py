@@ -3,9 +3,10 @@
 Requests are validated with pydantic in strict mode: a JSON string or boolean is never
 taken for a number (``max_tokens: "10"``, ``stream: "yes"``, ``prompt: [true]`` are refused),
 while an integer is accepted where a float is expected. Responses are plain dicts in OpenAI's
-layout (the official client reads them as-is). Unknown extra fields are accepted and
-ignored, as vLLM does; every declared field is honoured, or refused with 400 naming it
-(``REFUSED``, and values this server cannot serve). Requests are validated in the
+layout (the official client reads them as-is). Every declared field is honoured, or refused
+with 400 naming it (``REFUSED``, and values this server cannot serve); so are vLLM's and
+SGLang's structured output fields and vLLM's other fields (``VLLM_UNSERVED``: taken only at
+the value that asks for nothing). Other unknown fields are accepted and ignored, as vLLM does. Requests are validated in the
 preprocessing workers (``glm_fused.server.preprocess``).
 """
 
@@ -61,6 +62,30 @@ STRUCTURED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_ch
 GRAMMAR_FIELDS = ("response_format", "structured_outputs", *STRUCTURED_ALIASES)
 GRAMMAR_BACKENDS = (None, "auto", "xgrammar")  # the one this server has, under the names a request may give
 
+# vLLM's own request fields that this server does not serve: taken at the value that asks for
+# nothing (a client sending defaults), else refused by name; any other unknown field is ignored
+VLLM_UNSERVED = {
+    "use_beam_search": (False, "beam search is not supported"),
+    "length_penalty": (1.0, "length_penalty applies to beam search, which is not supported"),
+    "truncate_prompt_tokens": (None, "truncate_prompt_tokens is not supported; send the prompt to be used"),
+    "prompt_logprobs": (None, "prompt_logprobs is not supported; use echo with logprobs on /v1/completions"),
+    "allowed_token_ids": (None, "allowed_token_ids is not supported; use logit_bias or structured_outputs"),
+    "bad_words": (None, "bad_words is not supported; use logit_bias"),
+    "logits_processors": (None, "logits_processors are not supported"),
+    "add_generation_prompt": (True, "add_generation_prompt false is not supported: the prompt ends where the "
+                                    "assistant answers"),
+    "continue_final_message": (False, "continue_final_message is not supported"),
+    "echo": (False, "echo is not supported on chat completions (it is on /v1/completions)"),
+    "chat_template": (None, "a per-request chat_template is not supported; start the server with --chat-template"),
+    "documents": (None, "documents are not supported"),
+    "return_tokens_as_token_ids": (False, "return_tokens_as_token_ids is not supported; use return_token_ids"),
+    "spaces_between_special_tokens": (True, "spaces_between_special_tokens false is not supported"),
+    "priority": (0, "request priorities are not supported: requests are served first come, first served"),
+    "cache_salt": (None, "cache_salt is not supported: the prefix cache is shared by all requests"),
+    "vllm_xargs": (None, "vllm_xargs is not supported"),
+    "kv_transfer_params": (None, "kv_transfer_params (disaggregated serving) is not supported"),
+}
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
@@ -108,6 +133,9 @@ class _Common(BaseModel):
             value = extra.get(name, self.__dict__.get(name))
             if value is not None:
                 raise ApiError(400, why, param=name)
+        for name, (nothing, why) in VLLM_UNSERVED.items():
+            if name in extra and extra[name] != nothing and not (nothing is None and extra[name] in ([], {})):
+                raise ApiError(400, why, param=name)
         if not 1 <= self.n <= MAX_CHOICES:
             raise ApiError(400, f"n must be in 1..{MAX_CHOICES}, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
@@ -119,6 +147,13 @@ class _Common(BaseModel):
         for key in self.logit_bias or {}:
             if not key.strip().lstrip("-").isdigit():
                 raise ApiError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+
+    def _special_tokens(self, default: bool, why: str) -> None:
+        """vLLM's add_special_tokens: its default for this endpoint, or refused."""
+        value = (self.model_extra or {}).get("add_special_tokens")
+        if value is not None and value is not default:
+            raise ApiError(400, f"add_special_tokens {str(value).lower()} is not supported here: {why}",
+                           param="add_special_tokens")
 
     def constraint(self) -> Constraint | None:
         """What the output must follow under vLLM's ``structured_outputs`` (or its older
@@ -193,6 +228,7 @@ class CompletionRequest(_Common):
 
     def check(self, max_logprobs: int) -> None:
         self._check_common()
+        self._special_tokens(True, "a text prompt gets the tokenizer's special tokens")
         if self.best_of not in (None, 1):
             raise ApiError(400, f"best_of={self.best_of}: only 1 is supported (use n for several choices)",
                            param="best_of")
@@ -234,6 +270,7 @@ class ChatCompletionRequest(_Common):
 
     def check(self, max_logprobs: int) -> None:
         self._check_common()
+        self._special_tokens(False, "the chat template writes the prompt's special tokens")
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins, as in vLLM
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None:
