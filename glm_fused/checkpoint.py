@@ -503,8 +503,8 @@ def _check_scale(read: Part) -> None:
     bad = values[~(np.isfinite(values) & (values >= 0))]
     if bad.size:
         more = f" (and {bad.size - 1} more bad values)" if bad.size > 1 else ""
-        raise UserError(f"{read.source.path}: fp8 scale {read.name!r} holds {float(bad[0]):g}{more}; scales must be finite "
-                        f"and not negative")
+        raise UserError(f"{read.source.path}: fp8 scale {read.name!r} holds {float(bad[0]):g}{more}; scales "
+                        f"must be finite and not negative")
 
 
 def load_rank_weights(model_dir: str | Path, config: Glm4MoeConfig, shard: TPShard,

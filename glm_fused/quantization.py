@@ -143,9 +143,9 @@ def _compressed_tensors(raw: dict, where: str) -> Fp8Scheme:
         else:
             raise UserError(f"{at}.weights.strategy {strategy!r} is not supported (channel or block)")
         acts = group.get("input_activations")
-        if (not isinstance(acts, dict) or acts.get("dynamic") is not True or acts.get("strategy") not in ("token", "group")
-                or acts.get("type", "float") != "float" or acts.get("num_bits", 8) != 8
-                or acts.get("symmetric", True) is not True):
+        if (not isinstance(acts, dict) or acts.get("dynamic") is not True
+                or acts.get("strategy") not in ("token", "group") or acts.get("type", "float") != "float"
+                or acts.get("num_bits", 8) != 8 or acts.get("symmetric", True) is not True):
             raise UserError(f"{at}.input_activations must be dynamic symmetric per-token (or per-group) fp8: "
                             f"activations are quantized per token at run time; static or other activation schemes are "
                             f"not supported")

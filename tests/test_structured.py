@@ -222,7 +222,8 @@ CONSTRAINED = {
               lambda text: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}( ok)?", text)),
     "choice": (Constraint("guided_choice", "choice", ["positive", "negative", "neutral"]),
                lambda text: text in ("positive", "negative", "neutral")),
-    "grammar": (Constraint("ebnf", "grammar", GRAMMAR_YES_NO), lambda text: re.fullmatch(r"yes|no|maybe [0-9]{1,2}", text)),
+    "grammar": (Constraint("ebnf", "grammar", GRAMMAR_YES_NO),
+                lambda text: re.fullmatch(r"yes|no|maybe [0-9]{1,2}", text)),
     "json_text": (Constraint("guided_json", "json", json.dumps(POINT)),
                   lambda text: jsonschema.validate(json.loads(text), POINT) is None),
     # no free whitespace: outside strings, a space only after ':' and ',' (xgrammar's fixed

@@ -154,7 +154,8 @@ def _cannot_enforce(param: str, exc: Exception) -> InvalidParam:
 
 
 def _constraint_format(param: str, kind: str, value: Any, compact: bool):
-    """One of ``protocol.Constraint``'s kinds as a format; ``compact``: JSON without whitespace."""
+    """One of ``protocol.Constraint``'s kinds as a format; ``compact``: JSON whose only
+    whitespace is the ``, `` and ``: `` between items."""
     st = _st()
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else value
@@ -168,8 +169,8 @@ def _constraint_format(param: str, kind: str, value: Any, compact: bool):
         schema = _json_safe(schema if schema != {} else True)
         if not compact:
             return st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=JSON_MAX_WHITESPACE)
-        # no whitespace at all: the structural tag's JSON takes at least one, so the schema's
-        # grammar as xgrammar writes it without whitespace
+        # the structural tag's JSON allows at least one free whitespace, so the schema's grammar
+        # as xgrammar writes it without (its fixed separators, as vLLM's disable_any_whitespace)
         try:
             grammar = _xgr().Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -298,8 +299,6 @@ def _utf8_run(state: int, data: bytes) -> int:
 
 
 # ---- compiling, and one sequence's state ---------------------------------------------------
-
-
 class StructuredOutputs:
     """The tokenizer's vocabulary as xgrammar sees it, and a caching grammar compiler.
 

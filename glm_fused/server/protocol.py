@@ -6,15 +6,15 @@ while an integer is accepted where a float is expected. Responses are plain dict
 layout (the official client reads them as-is). Every declared field is honoured, or refused
 with 400 naming it (``REFUSED``, and values this server cannot serve); so are vLLM's and
 SGLang's structured output fields and vLLM's other fields (``VLLM_UNSERVED``: taken only at
-the value that asks for nothing). Other unknown fields are accepted and ignored, as vLLM does. Requests are validated in the
-preprocessing workers (``glm_fused.server.preprocess``).
+the value that asks for nothing). Other unknown fields are accepted and ignored, as vLLM
+does. Requests are validated in the preprocessing workers (``glm_fused.server.preprocess``).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
