@@ -236,12 +236,7 @@ def test_vllm_and_sglang_structured_output_fields(api_server, tok):
     for body in ({"use_beam_search": False, "add_special_tokens": True, "bad_words": [], "priority": 0},):
         _complete(srv, **body)
     _chat(srv, add_generation_prompt=True, add_special_tokens=False, echo=False, continue_final_message=False)
-    wrong = []
-    for call, body, param in refused:
-        error = call(srv, 400, **body)["error"]
-        if error["param"] != param or not error["message"]:
-            wrong.append((body, error))
-    assert not wrong, wrong
+    _assert_refused(srv, refused)
 
 
 # ---- reasoning ---------------------------------------------------------------------------------
@@ -329,6 +324,16 @@ def test_streamed_chat_with_usage(api_server):
 
 
 # ---- every documented request field: honoured, or refused with 400 naming it --------------------
+def _assert_refused(srv, refused: list) -> None:
+    """Each ``(call, body, param)`` is a 400 whose error names ``param`` and says why."""
+    wrong = []
+    for call, body, param in refused:
+        error = call(srv, 400, **body)["error"]
+        if error["param"] != param or not error["message"]:
+            wrong.append((body, error))
+    assert not wrong, wrong
+
+
 def _complete(srv, status=200, **body):
     body = {"model": MODEL, "prompt": "The lighthouse stands", "max_tokens": 6, "temperature": 0,
             "return_token_ids": True, **body}
@@ -408,12 +413,7 @@ def test_every_documented_field_is_honoured_or_refused(api_server, tok):
         (_chat, {"messages": [{"role": "user"}]}, "messages.0.content"),
         (_chat, {"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
     ]
-    wrong = []
-    for call, body, param in refused:
-        error = call(srv, 400, **body)["error"]
-        if error["param"] != param or not error["message"]:
-            wrong.append((body, error))
-    assert not wrong, wrong
+    _assert_refused(srv, refused)
     # Still serving.
     assert _complete(srv)["choices"][0]["finish_reason"] in ("stop", "length")
     access = [line for line in srv.output().splitlines() if "glm_fused.access" in line]
