@@ -617,6 +617,7 @@ def run_model(args) -> dict:
             steps.append(runner.forward(ForwardBatch.decode([c[k] for c in conts],
                                                             [len(p) + k for p in prompts], tables)))
         stats_decode = runner.fusion_stats() if steps else None
+        graphs = runner.graphs is not None  # a checkpoint read through the weight writer, then the capture
     finally:
         runner.close()
     timings["ours_forward"] = round(time.perf_counter() - t0, 1)
@@ -651,6 +652,8 @@ def run_model(args) -> dict:
     fused_ok = (stats_prefill["fused_allreduce_norm_calls"] == expected_calls
                 and stats_prefill["plain_allreduce_calls"] == 0)
     checks[f"{expected_calls} fused calls, 0 plain all-reduces per forward"] = fused_ok
+    if device.type == "cuda":
+        checks["decode replays CUDA graphs (captured after the load)"] = graphs
     rows = []
     for part, figs in figures.items():
         for name, m in figs.items():

@@ -482,6 +482,7 @@ def test_no_kernel_compiles_after_start_up(cuda, monkeypatch, tmp_path, quantiza
                           load_format="dummy", block_size=bs, num_gpu_blocks_override=max_seqs * max_len // bs,
                           quantization=quantization).resolve()
     runner = ModelRunner(settings, settings.config(), tp_rank=0, tp_size=1)
+    assert runner.graphs is not None, "the decode graphs were not captured (see the runner's warning)"
     compiled = []
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
                         lambda **kw: compiled.append(kw["repr"].split("[")[0]))
