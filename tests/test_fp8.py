@@ -440,8 +440,8 @@ def _set_first_scale(name, value):
                                            ("block_fused", "model.layers.2.mlp.experts.down_proj_scale_inv")])
 def test_a_bad_scale_is_named_at_load(ckpts, tmp_path, variant, scale, value):
     """A NaN, infinite or negative fp8 scale served NaN or garbage without a word; now the load
-    names it, in either framework, before the weight writer (so whether the model keeps fp8 or
-    decodes to floats)."""
+    names it, in either framework. The check comes before the weight writer, so it holds
+    whether the model keeps fp8 or decodes to floats."""
     d = _copy(ckpts[variant][0], tmp_path / "ckpt")
     _edit_tensors(d, _set_first_scale(scale, value))
     _resolve(d)  # the headers are fine: the check reads the scales
