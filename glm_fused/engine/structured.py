@@ -166,13 +166,13 @@ def _constraint_format(param: str, kind: str, value: Any, compact: bool):
                 raise InvalidParam(param, f"{param}: not a JSON schema: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidParam(param, f"{param} must be a JSON schema (an object)")
-        schema = _json_safe(schema if schema != {} else True)
+        schema = schema if schema != {} else True
         if not compact:
-            return st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+            return _json_format(schema)
         # the structural tag's JSON allows at least one free whitespace, so the schema's grammar
         # as xgrammar writes it without (its fixed separators, as vLLM's disable_any_whitespace)
         try:
-            grammar = _xgr().Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+            grammar = _xgr().Grammar.from_json_schema(json.dumps(_json_safe(schema)), any_whitespace=False)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise _cannot_enforce(param, exc) from None
         return st.GrammarFormat(grammar=str(grammar))
@@ -202,14 +202,14 @@ def request_format(*, response_format: dict | None = None, constraint=None, tool
         raise InvalidParam("response_format.type", f"response_format type {kind!r}: expected text, "
                                                    "json_object or json_schema")
     forced = tool_mode in ("required", "named")
-    if forced and (kind != "text" or constraint is not None):
-        what = f"response_format {kind}" if kind != "text" else constraint.param
-        raise InvalidParam(constraint.param if kind == "text" else "response_format",
-                           f"{what} cannot be combined with tool_choice "
-                           f"{tool_mode if tool_mode == 'required' else repr(tool_name)}")
     if kind != "text" and constraint is not None:
         raise InvalidParam(constraint.param, f"{constraint.param} cannot be combined with response_format {kind}: "
                                              f"give one")
+    asked = ("response_format", f"response_format {kind}") if kind != "text" else \
+        (constraint.param, constraint.param) if constraint is not None else None
+    if forced and asked:
+        raise InvalidParam(asked[0], f"{asked[1]} cannot be combined with tool_choice "
+                                     f"{tool_mode if tool_mode == 'required' else repr(tool_name)}")
     newline = st.OptionalFormat(content=st.ConstStringFormat(value="\n"))
     lead = [newline] if lead_newline else []
     if forced:

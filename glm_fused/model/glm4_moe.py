@@ -219,10 +219,10 @@ class Glm4MoeForCausalLM(Glm4MoeModel):
             raise ValueError(f"input_ids must be [seq] or [batch, seq] with seq > 0, got shape {list(ids.shape)}")
         if ids.dtype.kind not in "iu":
             raise ValueError(f"input_ids must be integer token ids, got {ids.dtype}")
-        vocab = self.config.vocab_size
-        if ids.min() < 0 or ids.max() >= vocab:
-            bad = ids.min() if ids.min() < 0 else ids.max()
-            raise ValueError(f"input_ids: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        vocab, lowest, highest = self.config.vocab_size, ids.min(), ids.max()
+        if lowest < 0 or highest >= vocab:
+            raise ValueError(f"input_ids: token id {lowest if lowest < 0 else highest} is outside the vocabulary "
+                             f"(0..{vocab - 1})")
         if ids.shape[-1] > self.max_position:
             raise ValueError(f"input_ids: {ids.shape[-1]} positions, more than the {self.max_position} this model "
                              "was built for (from_pretrained's max_position; default the config's "
